@@ -1,0 +1,348 @@
+"""Configuration: validate the YAML, fill defaults, expand studies into cells.
+
+Everything the rules need (targets, wildcard constraints, one cell's parameters) is derived
+here from one validated config, so a bad config stops the workflow before any job starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+RECIPES = ("v0", "v1")
+
+
+class ConfigError(ValueError):
+    """A config problem, located by its key path (``studies.mooncake.qps[0]``)."""
+
+    def __init__(self, key_path: str, message: str):
+        self.key_path = key_path
+        super().__init__(f"config error at {key_path}: {message}")
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """How a mode is deployed: instance count, disaggregation and chunked prefill.
+
+    ``chunked_prefill`` None means the recipe's default (off in vLLM 0.6, on in V1).
+    """
+
+    name: str
+    instances: int
+    disaggregated: bool
+    chunked_prefill: bool | None
+    kv_protocol: str | None = None
+
+
+MODES: dict[str, ModeSpec] = {
+    "nondisagg": ModeSpec("nondisagg", 2, False, False),
+    "chunked": ModeSpec("chunked", 2, False, True),
+    "mooncake-rdma": ModeSpec("mooncake-rdma", 2, True, None, "rdma"),
+    "mooncake-tcp": ModeSpec("mooncake-tcp", 2, True, None, "tcp"),
+    "single": ModeSpec("single", 1, False, None),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    hf_id: str
+    architecture: str
+    quantization: str
+    tensor_parallel: int
+    gpus: tuple[tuple[int, ...], ...]
+    recipe: str | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    qps: float
+    input_len: int
+    output_len: int
+    num_prompts: int
+    seed: int
+    dataset: str
+    burstiness: float
+    warmup_requests: int
+
+
+@dataclass(frozen=True)
+class Serving:
+    """Server flags shared by every instance of a deployment."""
+
+    max_model_len: int
+    gpu_memory_utilization: float
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measurement: (backend, recipe, model, mode, workload)."""
+
+    backend: str
+    recipe: str
+    model: ModelSpec
+    mode: ModeSpec
+    workload: Workload
+    serving: Serving
+    engine: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return cell_path(self.backend, self.recipe, self.model.name, self.mode.name, self.workload)
+
+    @property
+    def instance_gpus(self) -> tuple[tuple[int, ...], ...]:
+        """GPU ids pinned by each instance this cell's mode starts."""
+        return self.model.gpus[: self.mode.instances]
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(asdict(self)))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Cell:
+        model = dict(data["model"])
+        model["gpus"] = tuple(tuple(g) for g in model["gpus"])
+        return cls(
+            backend=data["backend"],
+            recipe=data["recipe"],
+            model=ModelSpec(**model),
+            mode=ModeSpec(**data["mode"]),
+            workload=Workload(**data["workload"]),
+            serving=Serving(**data["serving"]),
+            engine=dict(data.get("engine", {})),
+        )
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    title: str
+    recipe: str
+    models: tuple[str, ...]
+    modes: tuple[str, ...]
+    qps: tuple[float, ...]
+    input_lens: tuple[int, ...]
+    x: str
+    cells: tuple[Cell, ...]
+
+
+@dataclass(frozen=True)
+class Config:
+    backend: str
+    raw: Mapping[str, Any]
+    models: Mapping[str, ModelSpec]
+    studies: Mapping[str, Study]
+    slo_ms: Mapping[str, float]
+
+    def all_cells(self) -> list[Cell]:
+        """Every distinct cell of every study, in a stable order (a shared cell once)."""
+        seen: dict[str, Cell] = {}
+        for study in self.studies.values():
+            for cell in study.cells:
+                seen.setdefault(cell.path, cell)
+        return list(seen.values())
+
+    def cell_at(self, path: str) -> Cell:
+        for cell in self.all_cells():
+            if cell.path == path:
+                return cell
+        raise ConfigError("studies", f"no study in the config has the cell {path}")
+
+
+def format_number(value: float) -> str:
+    """2.0 -> '2', 2.5 -> '2.5': the spelling of a number in a path."""
+    return f"{value:g}"
+
+
+def cell_path(backend: str, recipe: str, model: str, mode: str, w: Workload) -> str:
+    return (
+        f"results/{backend}/cells/{recipe}/{model}/{mode}/"
+        f"qps{format_number(w.qps)}_in{w.input_len}_out{w.output_len}"
+        f"_n{w.num_prompts}_s{w.seed}.parquet"
+    )
+
+
+def _key_path(parts: Iterable[Any]) -> str:
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text or "(top level)"
+
+
+def _validator(schema: Mapping[str, Any]) -> jsonschema.protocols.Validator:
+    """A draft 2020-12 validator that also fills ``default`` values in place."""
+    base = jsonschema.Draft202012Validator
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if "default" in sub and name not in instance:
+                    instance[name] = json.loads(json.dumps(sub["default"]))
+        yield from base.VALIDATORS["properties"](validator, properties, instance, schema)
+
+    extended = jsonschema.validators.extend(base, {"properties": set_defaults})
+    return extended(schema)
+
+
+def validate_schema(raw: dict[str, Any], schema_path: Path = SCHEMA_PATH) -> dict[str, Any]:
+    """Validate ``raw`` against the schema, filling defaults; the first error names its key path."""
+    schema = yaml.safe_load(schema_path.read_text())
+    errors = sorted(
+        _validator(schema).iter_errors(raw), key=lambda e: (len(e.absolute_path), str(e.path))
+    )
+    if errors:
+        error = errors[0]
+        raise ConfigError(_key_path(error.absolute_path), error.message)
+    return raw
+
+
+def _model_spec(name: str, data: Mapping[str, Any]) -> ModelSpec:
+    base = f"models.{name}"
+    tp = data["tensor_parallel"]
+    pinned: set[int] = set()
+    for i, gpus in enumerate(data["gpus"]):
+        if len(gpus) != tp:
+            raise ConfigError(
+                f"{base}.gpus[{i}]",
+                f"pins {len(gpus)} GPU(s) {gpus} but tensor_parallel is {tp}",
+            )
+        twice = pinned.intersection(gpus) | {g for g in gpus if gpus.count(g) > 1}
+        if twice:
+            raise ConfigError(
+                f"{base}.gpus[{i}]",
+                f"GPU(s) {sorted(twice)} pinned twice inside one deployment",
+            )
+        pinned.update(gpus)
+    return ModelSpec(
+        name=name,
+        hf_id=data["hf_id"],
+        architecture=data["architecture"],
+        quantization=data["quantization"],
+        tensor_parallel=tp,
+        gpus=tuple(tuple(g) for g in data["gpus"]),
+        recipe=data.get("recipe"),
+    )
+
+
+def _study(
+    name: str,
+    data: Mapping[str, Any],
+    raw: Mapping[str, Any],
+    models: Mapping[str, ModelSpec],
+) -> Study:
+    base = f"studies.{name}"
+    for i, model in enumerate(data["models"]):
+        if model not in models:
+            known = ", ".join(sorted(models))
+            raise ConfigError(f"{base}.models[{i}]", f"unknown model {model!r} (known: {known})")
+    for i, mode_name in enumerate(data["modes"]):
+        mode = MODES[mode_name]
+        for model in data["models"]:
+            if len(models[model].gpus) < mode.instances:
+                raise ConfigError(
+                    f"{base}.modes[{i}]",
+                    f"mode {mode_name!r} runs {mode.instances} instances but models.{model}.gpus "
+                    f"pins only {len(models[model].gpus)}",
+                )
+    settings = {**raw["defaults"], **data.get("workload", {})}
+    serving = Serving(settings["max_model_len"], settings["gpu_memory_utilization"])
+    cells = []
+    for model in data["models"]:
+        spec = models[model]
+        for mode in data["modes"]:
+            for input_len in data["input_len"]:
+                if input_len + settings["output_len"] > settings["max_model_len"]:
+                    raise ConfigError(
+                        f"{base}.input_len",
+                        f"input {input_len} + output {settings['output_len']} exceeds "
+                        f"max_model_len {settings['max_model_len']}",
+                    )
+                for qps in data["qps"]:
+                    workload = Workload(
+                        qps=float(qps),
+                        input_len=input_len,
+                        output_len=settings["output_len"],
+                        num_prompts=settings["num_prompts"],
+                        seed=settings["seed"],
+                        dataset=settings["dataset"],
+                        burstiness=float(settings["burstiness"]),
+                        warmup_requests=settings["warmup_requests"],
+                    )
+                    cells.append(
+                        Cell(
+                            backend=raw["backend"],
+                            recipe=spec.recipe or data["recipe"],
+                            model=spec,
+                            mode=MODES[mode],
+                            workload=workload,
+                            serving=serving,
+                            engine=dict(raw["engine"]),
+                        )
+                    )
+    return Study(
+        name=name,
+        title=data.get("title", name),
+        recipe=data["recipe"],
+        models=tuple(data["models"]),
+        modes=tuple(data["modes"]),
+        qps=tuple(float(q) for q in data["qps"]),
+        input_lens=tuple(data["input_len"]),
+        x=data["x"],
+        cells=tuple(cells),
+    )
+
+
+def _check_shared_cells(studies: Mapping[str, Study]) -> None:
+    """Two studies naming the same cell path must agree on everything the path omits."""
+    first: dict[str, tuple[str, Cell]] = {}
+    for study in studies.values():
+        for cell in study.cells:
+            seen = first.setdefault(cell.path, (study.name, cell))
+            if seen[1] != cell:
+                raise ConfigError(
+                    f"studies.{study.name}.workload",
+                    f"cell {cell.path} is also in study {seen[0]!r} with different settings "
+                    "(dataset, burstiness, warm-up or serving flags); give it another seed",
+                )
+
+
+def load(raw: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) -> Config:
+    """Validate a config mapping (as Snakemake loaded it) and expand its studies."""
+    data = validate_schema(json.loads(json.dumps(raw)), schema_path)
+    models = {name: _model_spec(name, spec) for name, spec in data["models"].items()}
+    studies = {name: _study(name, spec, data, models) for name, spec in data["studies"].items()}
+    _check_shared_cells(studies)
+    return Config(
+        backend=data["backend"],
+        raw=data,
+        models=models,
+        studies=studies,
+        slo_ms=dict(data["slo_ms"]),
+    )
+
+
+def load_file(path: Path) -> Config:
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(str(path), f"not valid YAML: {error}") from error
+    if not isinstance(raw, dict):
+        raise ConfigError(str(path), "the config must be a mapping")
+    return load(raw)
+
+
+def wildcard_pattern(values: Iterable[str]) -> str:
+    """A regex alternation matching exactly these names (for wildcard_constraints)."""
+    names = sorted(set(values), key=len, reverse=True)
+    return "|".join(re.escape(v) for v in names) or "(?!x)x"

@@ -1,0 +1,173 @@
+"""The per-request trace: one Parquet file per cell, one row per request.
+
+The column contract is the design's trace schema; every backend writes it and everything
+downstream reads only it. The file's key-value metadata holds one JSON document describing the
+cell (config, command lines, versions, host, engine parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+METADATA_KEY = b"servebench"
+
+IDENTITY_COLUMNS: dict[str, pa.DataType] = {
+    "backend": pa.string(),
+    "recipe": pa.string(),
+    "model": pa.string(),
+    "mode": pa.string(),
+    "dataset": pa.string(),
+    "qps": pa.float64(),
+    "input_len": pa.int32(),
+    "output_len": pa.int32(),
+    "num_prompts": pa.int32(),
+    "seed": pa.int32(),
+}
+
+REQUEST_COLUMNS: dict[str, pa.DataType] = {
+    "request_id": pa.int32(),
+    "warmup": pa.bool_(),
+    "scheduled_s": pa.float64(),
+    "sent_s": pa.float64(),
+    "first_token_s": pa.float64(),
+    "end_s": pa.float64(),
+    "chunk_s": pa.list_(pa.float64()),
+    "chunk_tokens": pa.list_(pa.int32()),
+    "prompt_tokens": pa.int32(),
+    "completion_tokens": pa.int32(),
+    "success": pa.bool_(),
+    "error": pa.string(),
+}
+
+SCHEMA = pa.schema(
+    [pa.field(name, dtype) for name, dtype in {**IDENTITY_COLUMNS, **REQUEST_COLUMNS}.items()]
+)
+NULLABLE = {"first_token_s", "end_s", "error"}
+
+
+class TraceError(ValueError):
+    """A trace file that violates the schema, named with the file and the column."""
+
+    def __init__(self, path: str | os.PathLike[str], column: str | None, message: str):
+        self.path = str(path)
+        self.column = column
+        where = f"{self.path}, column {column!r}" if column else self.path
+        super().__init__(f"malformed trace {where}: {message}")
+
+
+@dataclass(frozen=True)
+class CellIdentity:
+    backend: str
+    recipe: str
+    model: str
+    mode: str
+    dataset: str
+    qps: float
+    input_len: int
+    output_len: int
+    num_prompts: int
+    seed: int
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client (or the simulator standing in for it) saw it.
+
+    Times are seconds on one clock whose zero is the start of the benchmark; warm-up requests
+    run before it and so have negative times.
+    """
+
+    request_id: int
+    warmup: bool
+    scheduled_s: float
+    sent_s: float
+    first_token_s: float | None = None
+    end_s: float | None = None
+    chunk_s: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    success: bool = False
+    error: str | None = None
+
+
+def to_table(
+    identity: CellIdentity, records: Sequence[RequestRecord], metadata: Mapping[str, Any]
+) -> pa.Table:
+    n = len(records)
+    columns: dict[str, list[Any]] = {
+        name: [value] * n for name, value in asdict(identity).items()
+    }
+    for name in REQUEST_COLUMNS:
+        columns[name] = [getattr(r, name) for r in records]
+    table = pa.table(columns, schema=SCHEMA)
+    return table.replace_schema_metadata({METADATA_KEY: json.dumps(metadata, default=str)})
+
+
+def write(
+    path: str | os.PathLike[str],
+    identity: CellIdentity,
+    records: Sequence[RequestRecord],
+    metadata: Mapping[str, Any],
+) -> None:
+    """Write atomically: a temporary file renamed into place, so no half-written trace exists."""
+    table = to_table(identity, records, metadata)
+    _check_lists(table, path)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _check_lists(table: pa.Table, path: str | os.PathLike[str]) -> None:
+    seconds = table.column("chunk_s").to_pylist()
+    tokens = table.column("chunk_tokens").to_pylist()
+    for row, (s, t) in enumerate(zip(seconds, tokens, strict=True)):
+        if len(s or []) != len(t or []):
+            raise TraceError(
+                path,
+                "chunk_tokens",
+                f"row {row} has {len(t or [])} chunk_tokens but {len(s or [])} chunk_s",
+            )
+
+
+def read(path: str | os.PathLike[str]) -> pa.Table:
+    """Read a trace and check it against the schema; errors name the file and the column."""
+    try:
+        table = pq.read_table(path)
+    except FileNotFoundError:
+        raise
+    except (pa.ArrowException, OSError) as error:
+        raise TraceError(path, None, f"not a readable Parquet file ({error})") from error
+    for name, dtype in {**IDENTITY_COLUMNS, **REQUEST_COLUMNS}.items():
+        if name not in table.column_names:
+            raise TraceError(path, name, "column is missing")
+        actual = table.schema.field(name).type
+        if actual != dtype:
+            raise TraceError(path, name, f"has type {actual}, expected {dtype}")
+        if name not in NULLABLE and table.column(name).null_count:
+            raise TraceError(path, name, f"has {table.column(name).null_count} null value(s)")
+    _check_lists(table, path)
+    return table.select(list(SCHEMA.names))
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    meta = pq.read_schema(path).metadata or {}
+    if METADATA_KEY not in meta:
+        raise TraceError(path, None, "metadata document 'servebench' is missing")
+    return json.loads(meta[METADATA_KEY])
