@@ -333,6 +333,8 @@ def load(raw: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) -> Config:
 
 
 def load_file(path: Path) -> Config:
+    if not Path(path).is_file():
+        raise ConfigError(str(path), "no such file")
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as error:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from servebench.files import atomic_path
 
 METADATA_KEY = b"servebench"
 
@@ -104,9 +105,7 @@ def to_table(
     identity: CellIdentity, records: Sequence[RequestRecord], metadata: Mapping[str, Any]
 ) -> pa.Table:
     n = len(records)
-    columns: dict[str, list[Any]] = {
-        name: [value] * n for name, value in asdict(identity).items()
-    }
+    columns: dict[str, list[Any]] = {name: [value] * n for name, value in asdict(identity).items()}
     for name in REQUEST_COLUMNS:
         columns[name] = [getattr(r, name) for r in records]
     table = pa.table(columns, schema=SCHEMA)
@@ -119,55 +118,65 @@ def write(
     records: Sequence[RequestRecord],
     metadata: Mapping[str, Any],
 ) -> None:
-    """Write atomically: a temporary file renamed into place, so no half-written trace exists."""
+    """Write atomically: a temporary file renamed into place, so no half-written trace exists.
+
+    The table is checked as ``read`` would check it, so nothing unreadable is ever written.
+    """
     table = to_table(identity, records, metadata)
-    _check_lists(table, path)
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
+    check(table, path)
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
-def _check_lists(table: pa.Table, path: str | os.PathLike[str]) -> None:
-    seconds = table.column("chunk_s").to_pylist()
-    tokens = table.column("chunk_tokens").to_pylist()
-    for row, (s, t) in enumerate(zip(seconds, tokens, strict=True)):
-        if len(s or []) != len(t or []):
-            raise TraceError(
-                path,
-                "chunk_tokens",
-                f"row {row} has {len(t or [])} chunk_tokens but {len(s or [])} chunk_s",
-            )
-
-
-def read(path: str | os.PathLike[str]) -> pa.Table:
-    """Read a trace and check it against the schema; errors name the file and the column."""
-    try:
-        table = pq.read_table(path)
-    except FileNotFoundError:
-        raise
-    except (pa.ArrowException, OSError) as error:
-        raise TraceError(path, None, f"not a readable Parquet file ({error})") from error
+def check(table: pa.Table, path: str | os.PathLike[str]) -> None:
+    """Raise TraceError unless ``table`` has every schema column, typed, without stray nulls."""
     for name, dtype in {**IDENTITY_COLUMNS, **REQUEST_COLUMNS}.items():
         if name not in table.column_names:
             raise TraceError(path, name, "column is missing")
         actual = table.schema.field(name).type
         if actual != dtype:
             raise TraceError(path, name, f"has type {actual}, expected {dtype}")
-        if name not in NULLABLE and table.column(name).null_count:
-            raise TraceError(path, name, f"has {table.column(name).null_count} null value(s)")
-    _check_lists(table, path)
-    return table.select(list(SCHEMA.names))
+        column = table.column(name)
+        if name not in NULLABLE and column.null_count:
+            raise TraceError(path, name, f"has {column.null_count} null value(s)")
+        if pa.types.is_list(dtype) and pc.list_flatten(column).null_count:
+            raise TraceError(path, name, "has null values inside its lists")
+    lengths_s = pc.list_value_length(table.column("chunk_s"))
+    lengths_tokens = pc.list_value_length(table.column("chunk_tokens"))
+    mismatched = pc.not_equal(lengths_s, lengths_tokens)
+    if pc.any(mismatched).as_py():
+        row = pc.index(mismatched, True).as_py()
+        raise TraceError(
+            path,
+            "chunk_tokens",
+            f"row {row} has {lengths_tokens[row]} chunk_tokens but {lengths_s[row]} chunk_s",
+        )
+
+
+def read(path: str | os.PathLike[str]) -> pa.Table:
+    """Read a trace and check it against the schema; errors name the file and the column.
+
+    Columns beyond the contract (server-side extras) are kept, after the contract's columns.
+    """
+    if not os.path.isfile(path):
+        raise TraceError(path, None, "no such file")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as error:
+        raise TraceError(path, None, f"not a readable Parquet file ({error})") from error
+    check(table, path)
+    extras = [name for name in table.column_names if name not in SCHEMA.names]
+    return table.select([*SCHEMA.names, *extras])
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    meta = pq.read_schema(path).metadata or {}
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except (pa.ArrowException, OSError) as error:
+        raise TraceError(path, None, f"not a readable Parquet file ({error})") from error
     if METADATA_KEY not in meta:
         raise TraceError(path, None, "metadata document 'servebench' is missing")
-    return json.loads(meta[METADATA_KEY])
+    try:
+        return json.loads(meta[METADATA_KEY])
+    except json.JSONDecodeError as error:
+        raise TraceError(path, None, f"metadata document is not valid JSON ({error})") from error

@@ -1,0 +1,26 @@
+# The two commands: `make all` (run every study, then the report) and `make test`.
+# Both create .venv on first use (or reuse it) and install servebench into it.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.servebench-installed
+
+.PHONY: all test report clean
+
+all: $(STAMP)
+	$(VENV)/bin/snakemake --cores 1 all
+	$(VENV)/bin/snakemake --report results/report.html
+
+test: $(STAMP)
+	$(VENV)/bin/pytest
+
+report: $(STAMP)
+	$(VENV)/bin/snakemake --report results/report.html
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+clean:
+	rm -rf results .snakemake

@@ -1,0 +1,74 @@
+# Validation, matrix expansion, input functions and wildcard constraints, all derived from
+# one validated config (servebench.config). A bad config stops here, before any job.
+import json
+from pathlib import Path
+
+from servebench import config as sb_config
+from servebench.cell import check_backend
+from servebench.workflow import fail_on_config_error
+
+with fail_on_config_error():
+    SB = sb_config.load(config, Path(workflow.basedir) / "config" / "schema.yaml")
+    check_backend(SB.backend)
+
+STUDIES = SB.studies
+FIGURES = ("ttft", "tpot", "itl", "throughput")
+CELL_PATTERN = (
+    "{recipe}/{model}/{mode}/qps{qps}_in{input_len}_out{output_len}_n{num_prompts}_s{seed}"
+)
+
+
+wildcard_constraints:
+    backend=sb_config.wildcard_pattern([SB.backend]),
+    recipe=sb_config.wildcard_pattern(sb_config.RECIPES),
+    model=sb_config.wildcard_pattern(SB.models),
+    mode=sb_config.wildcard_pattern(sb_config.MODES),
+    study=sb_config.wildcard_pattern(STUDIES),
+    qps=r"\d+(\.\d+)?",
+    input_len=r"\d+",
+    output_len=r"\d+",
+    num_prompts=r"\d+",
+    seed=r"\d+",
+
+
+def study_outputs(study):
+    base = f"results/{SB.backend}"
+    return [
+        f"{base}/summary/{study}.parquet",
+        f"{base}/summary/{study}.csv",
+        f"{base}/summary/{study}.html",
+        *expand(f"{base}/figures/{study}/{{figure}}.{{ext}}", figure=FIGURES, ext=("svg", "html")),
+        f"{base}/findings/{study}.md",
+        f"{base}/findings/{study}.html",
+    ]
+
+
+def get_final_output():
+    return [path for study in STUDIES for path in study_outputs(study)]
+
+
+def get_cell(wildcards):
+    """The resolved cell behind a trace path (JSON, so a changed setting reruns the cell)."""
+    path = (
+        f"results/{wildcards.backend}/cells/{wildcards.recipe}/{wildcards.model}/"
+        f"{wildcards.mode}/qps{wildcards.qps}_in{wildcards.input_len}_out{wildcards.output_len}"
+        f"_n{wildcards.num_prompts}_s{wildcards.seed}.parquet"
+    )
+    with fail_on_config_error():
+        return json.dumps(SB.cell_at(path).to_dict(), sort_keys=True)
+
+
+def get_study_traces(wildcards):
+    return [cell.path for cell in STUDIES[wildcards.study].cells]
+
+
+def get_study_title(wildcards):
+    return STUDIES[wildcards.study].title
+
+
+def get_study_x(wildcards):
+    return STUDIES[wildcards.study].x
+
+
+def get_slo_ms(wildcards):
+    return dict(SB.slo_ms)

@@ -1,0 +1,151 @@
+"""A study's summary: one row per cell trace, every metric, written as Parquet, CSV and HTML."""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+
+from servebench import metrics, trace
+from servebench.files import atomic_path
+
+SORT_KEYS = ("model", "mode", "input_len", "qps")
+
+# (column, header) of the HTML table: what a reader compares across cells.
+HTML_COLUMNS = (
+    ("model", "model"),
+    ("mode", "mode"),
+    ("qps", "QPS"),
+    ("input_len", "input len"),
+    ("completed", "completed"),
+    ("failed", "failed"),
+    ("mean_ttft_ms", "mean TTFT (ms)"),
+    ("median_ttft_ms", "median TTFT (ms)"),
+    ("p99_ttft_ms", "P99 TTFT (ms)"),
+    ("mean_tpot_ms", "mean TPOT (ms)"),
+    ("median_tpot_ms", "median TPOT (ms)"),
+    ("p99_tpot_ms", "P99 TPOT (ms)"),
+    ("mean_itl_ms", "mean ITL (ms)"),
+    ("median_itl_ms", "median ITL (ms)"),
+    ("p99_itl_ms", "P99 ITL (ms)"),
+    ("request_throughput", "requests/s"),
+    ("output_throughput", "output tokens/s"),
+    ("request_goodput", "goodput (requests/s)"),
+)
+
+HTML_STYLE = (
+    "body{font-family:sans-serif;margin:1.5em}"
+    "table{border-collapse:collapse;font-size:0.9em}"
+    "th,td{border:1px solid #ccc;padding:0.25em 0.5em}"
+    "td.num{text-align:right;font-variant-numeric:tabular-nums}"
+    "th{background:#f2f2f2}"
+)
+
+
+def _summary_schema() -> dict[str, pl.DataType]:
+    """Identity columns typed as in the trace, CellMetrics fields, then the trace path."""
+    identity = pl.DataFrame(pa.schema(trace.IDENTITY_COLUMNS).empty_table()).schema
+    numeric = {"int": pl.Int64(), "float": pl.Float64()}
+    measured = {f.name: numeric[str(f.type)] for f in fields(metrics.CellMetrics)}
+    return {**identity, **measured, "trace": pl.String()}
+
+
+SUMMARY_SCHEMA = _summary_schema()
+
+
+def summarize(
+    trace_paths: Iterable[str | os.PathLike[str]], slo_ms: Mapping[str, float] | None = None
+) -> pl.DataFrame:
+    """One row per trace: its cell identity, every `CellMetrics` field and its path.
+
+    Rows are sorted by model, mode, input_len, qps. A malformed trace raises `trace.TraceError`
+    and one without usable requests `metrics.MetricsError`; both name the file.
+    """
+    rows = [summary_row(path, slo_ms) for path in trace_paths]
+    return pl.LazyFrame(rows, schema=SUMMARY_SCHEMA).sort(SORT_KEYS).collect()
+
+
+def summary_row(
+    path: str | os.PathLike[str], slo_ms: Mapping[str, float] | None = None
+) -> dict[str, Any]:
+    table = trace.read(path)
+    cell = metrics.compute(table, slo_ms, source=path)
+    return {**cell_identity(table, path), **asdict(cell), "trace": os.fspath(path)}
+
+
+def cell_identity(table: pa.Table, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The identity columns' single value; a trace holding several cells is malformed."""
+    identity = {}
+    for name in trace.IDENTITY_COLUMNS:
+        values = table.column(name).unique().to_pylist()
+        if len(values) != 1:
+            raise trace.TraceError(
+                path, name, f"has {len(values)} distinct values; a trace holds exactly one cell"
+            )
+        identity[name] = values[0]
+    return identity
+
+
+def write_summary(
+    df: pl.DataFrame,
+    parquet_path: str | os.PathLike[str],
+    csv_path: str | os.PathLike[str],
+    html_path: str | os.PathLike[str],
+    title: str,
+) -> None:
+    """Write the summary three ways; each target appears complete or not at all.
+
+    Everything is written to temporary files first and renamed only when all three succeeded.
+    """
+    page = render_html(df, title)
+    _write_all(
+        [
+            (Path(parquet_path), df.write_parquet),
+            (Path(csv_path), df.write_csv),
+            (Path(html_path), lambda tmp: tmp.write_text(page, encoding="utf-8")),
+        ]
+    )
+
+
+def render_html(df: pl.DataFrame, title: str) -> str:
+    """A self-contained page (no external CSS or JS) with the key columns of the summary."""
+    columns = [(name, header) for name, header in HTML_COLUMNS if name in df.columns]
+    head = "".join(f"<th>{html.escape(header)}</th>" for _, header in columns)
+    body = "\n".join(
+        "<tr>" + "".join(_html_cell(row[name]) for name, _ in columns) + "</tr>"
+        for row in df.select([name for name, _ in columns]).iter_rows(named=True)
+    )
+    escaped = html.escape(title)
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f"<title>{escaped}</title>\n<style>{HTML_STYLE}</style>\n</head>\n<body>\n"
+        f"<h1>{escaped}</h1>\n<table>\n<thead><tr>{head}</tr></thead>\n"
+        f"<tbody>\n{body}\n</tbody>\n</table>\n</body>\n</html>\n"
+    )
+
+
+def _html_cell(value: Any) -> str:
+    if value is None:
+        return "<td></td>"
+    if isinstance(value, float):
+        return f'<td class="num">{value:.2f}</td>'
+    if isinstance(value, int):
+        return f'<td class="num">{value}</td>'
+    return f"<td>{html.escape(str(value))}</td>"
+
+
+def _write_all(targets: Sequence[tuple[Path, Callable[[Path], object]]]) -> None:
+    """Write every target to its temporary sibling; rename them into place only if all succeeded.
+
+    Leaving the stack on an exception skips every rename and removes every temporary file.
+    """
+    with contextlib.ExitStack() as stack:
+        for target, write in targets:
+            write(stack.enter_context(atomic_path(target)))

@@ -1,0 +1,90 @@
+"""`servebench`: inspect a config and a trace without running the workflow."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from servebench import config, metrics, trace
+
+LATENCY_ROWS = (
+    ("Time to First Token", "ttft"),
+    ("Time per Output Token (excl. 1st token)", "tpot"),
+    ("Inter-token Latency", "itl"),
+    ("End-to-end Latency", "e2el"),
+)
+
+
+def _check(args: argparse.Namespace) -> int:
+    cfg = config.load_file(args.config)
+    for name, study in cfg.studies.items():
+        print(f"{name}: {len(study.cells)} cells ({study.recipe}, x = {study.x})")
+    print(f"{len(cfg.all_cells())} distinct cells on backend {cfg.backend}")
+    return 0
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    """Print a trace's metrics in the layout of vLLM's benchmark summary."""
+    slo_ms = dict(args.slo)
+    result = metrics.compute(trace.read(args.trace), slo_ms, source=args.trace)
+    print(f"{'Successful requests:':<40}{result.completed:<10}")
+    print(f"{'Failed requests:':<40}{result.failed:<10}")
+    print(f"{'Benchmark duration (s):':<40}{result.duration_s:<10.2f}")
+    print(f"{'Total input tokens:':<40}{result.total_input_tokens:<10}")
+    print(f"{'Total generated tokens:':<40}{result.total_output_tokens:<10}")
+    print(f"{'Request throughput (req/s):':<40}{result.request_throughput:<10.2f}")
+    print(f"{'Output token throughput (tok/s):':<40}{result.output_throughput:<10.2f}")
+    print(f"{'Total Token throughput (tok/s):':<40}{result.total_token_throughput:<10.2f}")
+    if slo_ms:
+        print(f"{'Request goodput (req/s):':<40}{result.request_goodput:<10.2f}")
+    for title, key in LATENCY_ROWS:
+        print(f"{title:-^50}")
+        for stat in ("mean", "median", "p99"):
+            label = f"{stat.capitalize() if stat != 'p99' else 'P99'} {key.upper()} (ms):"
+            print(f"{label:<40}{getattr(result, f'{stat}_{key}_ms'):<10.2f}")
+    return 0
+
+
+def _slo(text: str) -> tuple[str, float]:
+    key, _, value = text.partition("=")
+    if key not in metrics.SLO_KEYS or not value:
+        raise argparse.ArgumentTypeError(f"expected KEY=MS with KEY in {metrics.SLO_KEYS}")
+    try:
+        return key, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of ms") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="servebench", description=__doc__)
+    commands = top.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check", help="validate a config and count its cells")
+    check.add_argument("config", type=Path)
+    check.set_defaults(run=_check)
+    show = commands.add_parser("metrics", help="print the metrics of one trace")
+    show.add_argument("trace", type=Path)
+    show.add_argument(
+        "--slo",
+        action="append",
+        type=_slo,
+        default=[],
+        metavar="KEY=MS",
+        help="goodput SLO, e.g. ttft=2000",
+    )
+    show.set_defaults(run=_metrics)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (config.ConfigError, trace.TraceError, metrics.MetricsError) as error:
+        print(f"servebench: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

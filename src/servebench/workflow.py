@@ -1,0 +1,32 @@
+"""Glue between Snakemake and the package: clean config errors and script logging."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+
+from servebench.config import ConfigError
+
+
+@contextlib.contextmanager
+def fail_on_config_error() -> Iterator[None]:
+    """Turn a ConfigError into one line on stderr and exit 1, instead of a Snakemake traceback."""
+    try:
+        yield
+    except ConfigError as error:
+        print(f"servebench: {error}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.exit(1)
+
+
+def log_to(path: str) -> logging.Logger:
+    """Send the package's log records (and warnings) to a job's Snakemake log file."""
+    handler = logging.FileHandler(path, mode="w")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    return logging.getLogger("servebench")

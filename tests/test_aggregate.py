@@ -1,0 +1,204 @@
+"""The study summary from real trace files, and its three atomic outputs."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from servebench import aggregate, metrics, trace
+
+
+def identity(model: str = "qwen-7b", mode: str = "single", qps: float = 2.0, input_len: int = 10):
+    return trace.CellIdentity("simulator", "v1", model, mode, "random", qps, input_len, 3, 3, 0)
+
+
+def records() -> list[trace.RequestRecord]:
+    """Two successes and a failure.
+
+    request 0: sent 0.0, chunks 0.1, 0.3 (1, 2 tokens) -> TTFT 100, E2EL 300, TPOT 200/2 = 100
+    request 1: sent 0.5, chunk 0.7 (1 token)            -> TTFT 200, E2EL 200
+    request 2: sent 1.0, failed
+    duration 0.0 -> 1.0 (the failed send is the last event) = 1.0 s
+    """
+    return [
+        trace.RequestRecord(0, False, 0.0, 0.0, 0.1, 0.3, [0.1, 0.3], [1, 2], 10, 3, True),
+        trace.RequestRecord(1, False, 0.5, 0.5, 0.7, 0.7, [0.7], [1], 10, 1, True),
+        trace.RequestRecord(2, False, 1.0, 1.0, error="HTTP 500"),
+    ]
+
+
+def write_trace(tmp_path: Path, name: str, cell: trace.CellIdentity) -> Path:
+    path = tmp_path / "cells" / f"{name}.parquet"
+    trace.write(path, cell, records(), {"cell": name})
+    return path
+
+
+def test_summary_row_has_identity_metrics_and_path(tmp_path: Path) -> None:
+    path = write_trace(tmp_path, "a", identity())
+
+    df = aggregate.summarize([path], {"ttft": 150})
+
+    assert df.height == 1
+    row = df.row(0, named=True)
+    assert {k: row[k] for k in trace.IDENTITY_COLUMNS} == asdict(identity())
+    assert row["trace"] == str(path)
+    assert row["completed"] == 2
+    assert row["failed"] == 1
+    assert row["duration_s"] == pytest.approx(1.0)
+    assert row["total_output_tokens"] == 4
+    assert row["mean_ttft_ms"] == pytest.approx(150.0)  # (100 + 200) / 2
+    assert row["mean_tpot_ms"] == pytest.approx(100.0)  # request 1 has one token
+    assert row["mean_itl_ms"] == pytest.approx(200.0)  # the one gap 0.1 -> 0.3
+    assert row["request_goodput"] == pytest.approx(1.0)  # only request 0 has TTFT <= 150
+    assert row["good_fraction"] == pytest.approx(1 / 3)
+    expected = asdict(metrics.compute(trace.read(path), {"ttft": 150}))
+    assert {k: row[k] for k in expected} == expected
+
+
+def test_summary_columns_and_types(tmp_path: Path) -> None:
+    df = aggregate.summarize([write_trace(tmp_path, "a", identity())])
+
+    metric_names = [f.name for f in fields(metrics.CellMetrics)]
+    assert df.columns == [*trace.IDENTITY_COLUMNS, *metric_names, "trace"]
+    assert df.schema["qps"] == pl.Float64
+    assert df.schema["input_len"] == pl.Int32
+    assert df.schema["completed"] == pl.Int64
+    assert df.schema["mean_ttft_ms"] == pl.Float64
+
+
+def test_summary_sorted_by_model_mode_input_len_qps(tmp_path: Path) -> None:
+    cells = [
+        identity("qwen-7b", "single", 8.0, 10),
+        identity("qwen-7b", "single", 2.0, 20),
+        identity("qwen-7b", "single", 4.0, 10),
+        identity("command-r", "single", 2.0, 10),
+        identity("qwen-7b", "chunked", 2.0, 10),
+    ]
+    paths = [write_trace(tmp_path, str(i), cell) for i, cell in enumerate(cells)]
+
+    df = aggregate.summarize(paths)
+
+    assert df.select("model", "mode", "input_len", "qps").rows() == [
+        ("command-r", "single", 10, 2.0),
+        ("qwen-7b", "chunked", 10, 2.0),
+        ("qwen-7b", "single", 10, 4.0),
+        ("qwen-7b", "single", 10, 8.0),
+        ("qwen-7b", "single", 20, 2.0),
+    ]
+
+
+def test_no_traces_gives_an_empty_summary_with_all_columns() -> None:
+    df = aggregate.summarize([])
+
+    assert df.height == 0
+    assert df.columns[-1] == "trace"
+    assert "p99_itl_ms" in df.columns
+
+
+def test_malformed_trace_error_names_the_file(tmp_path: Path) -> None:
+    good = write_trace(tmp_path, "good", identity())
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(trace.read(good).drop_columns(["end_s"]), bad)
+
+    with pytest.raises(trace.TraceError, match="end_s") as error:
+        aggregate.summarize([good, bad])
+
+    assert str(bad) in str(error.value)
+
+
+def test_all_failed_trace_error_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "failed.parquet"
+    trace.write(path, identity(), [trace.RequestRecord(0, False, 0.0, 0.0, error="refused")], {})
+
+    with pytest.raises(metrics.MetricsError, match="all 1 measured requests failed") as error:
+        aggregate.summarize([path])
+
+    assert str(path) in str(error.value)
+    assert "refused" in str(error.value)
+
+
+def test_trace_with_two_cells_error_names_file_and_column(tmp_path: Path) -> None:
+    first = trace.to_table(identity(qps=2.0), records(), {})
+    second = trace.to_table(identity(qps=4.0), records(), {})
+    path = tmp_path / "mixed.parquet"
+    pq.write_table(pa.concat_tables([first, second]), path)
+
+    with pytest.raises(trace.TraceError, match=r"column 'qps'.*2 distinct values") as error:
+        aggregate.summarize([path])
+
+    assert str(path) in str(error.value)
+
+
+def outputs(tmp_path: Path) -> tuple[Path, Path, Path]:
+    out = tmp_path / "summary"
+    return out / "study.parquet", out / "study.csv", out / "study.html"
+
+
+def test_write_summary_writes_parquet_csv_and_html(tmp_path: Path) -> None:
+    df = aggregate.summarize(
+        [
+            write_trace(tmp_path, "a", identity("qwen<b>&", qps=2.0)),
+            write_trace(tmp_path, "b", identity("qwen<b>&", qps=4.0)),
+        ]
+    )
+    parquet, csv, html = outputs(tmp_path)
+
+    aggregate.write_summary(df, parquet, csv, html, "Study <A> & B")
+
+    assert pl.read_parquet(parquet).equals(df)
+    assert pl.read_csv(csv, schema=df.schema).equals(df)
+    page = html.read_text(encoding="utf-8")
+    assert "<title>Study &lt;A&gt; &amp; B</title>" in page
+    assert "qwen&lt;b&gt;&amp;" in page and "qwen<b>" not in page
+    assert page.count("<tr>") == 3  # header + two cells
+    assert '<td class="num">150.00</td>' in page  # mean TTFT
+    assert '<td class="num">2.00</td>' in page  # QPS
+    assert '<td class="num">1</td>' in page  # failed, an integer
+    for external in ("<script", "<link", "http://", "https://", "src="):
+        assert external not in page
+    assert sorted(p.name for p in parquet.parent.iterdir()) == [
+        "study.csv",
+        "study.html",
+        "study.parquet",
+    ]
+
+
+def test_write_summary_failure_leaves_no_target_and_no_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    df = aggregate.summarize([write_trace(tmp_path, "a", identity())])
+    parquet, csv, html = outputs(tmp_path)
+
+    def fail(self: pl.DataFrame, file: Path) -> None:
+        Path(file).write_text("half,a,csv")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pl.DataFrame, "write_csv", fail)
+    with pytest.raises(OSError, match="disk full"):
+        aggregate.write_summary(df, parquet, csv, html, "t")
+
+    assert list(parquet.parent.iterdir()) == []
+
+
+def test_write_summary_failure_keeps_previous_outputs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    df = aggregate.summarize([write_trace(tmp_path, "a", identity())])
+    parquet, csv, html = outputs(tmp_path)
+    aggregate.write_summary(df, parquet, csv, html, "old")
+    before = {p: p.read_bytes() for p in (parquet, csv, html)}
+
+    def fail(self: pl.DataFrame, file: Path) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pl.DataFrame, "write_csv", fail)
+    with pytest.raises(OSError, match="disk full"):
+        aggregate.write_summary(df.head(0), parquet, csv, html, "new")
+
+    assert {p: p.read_bytes() for p in (parquet, csv, html)} == before
+    assert len(list(parquet.parent.iterdir())) == 3

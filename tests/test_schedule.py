@@ -1,0 +1,32 @@
+import numpy as np
+import pytest
+
+from servebench.schedule import arrival_times
+
+
+def test_matches_vllm_benchmark_client_with_seed_0():
+    # Targets computed from vLLM's pre-V1 client (np.random.seed(0), exponential gaps):
+    # inter-arrival sums of 199 draws per QPS, and the first gaps at QPS 2.
+    expected_last = {2: 98.219, 4: 49.109, 6: 32.740, 8: 24.555}
+    for qps, last in expected_last.items():
+        times = arrival_times(200, qps, 1.0, 0)
+        assert times[0] == 0.0
+        assert times[-1] == pytest.approx(last, abs=5e-4)
+    gaps = np.diff(arrival_times(200, 2, 1.0, 0))[:5]
+    assert gaps == pytest.approx([0.3979, 0.6280, 0.4616, 0.3936, 0.2755], abs=5e-5)
+
+
+def test_constant_rate_when_burstiness_is_infinite():
+    assert arrival_times(4, 2, float("inf"), 0) == pytest.approx([0, 0.5, 1.0, 1.5])
+
+
+def test_seed_changes_the_schedule_and_is_reproducible():
+    a, b = arrival_times(50, 4, 1.0, 1), arrival_times(50, 4, 1.0, 1)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, arrival_times(50, 4, 1.0, 2))
+
+
+@pytest.mark.parametrize(("n", "qps", "burst"), [(0, 1, 1), (5, 0, 1), (5, -1, 1), (5, 1, 0)])
+def test_rejects_bad_arguments(n, qps, burst):
+    with pytest.raises(ValueError):
+        arrival_times(n, qps, burst, 0)

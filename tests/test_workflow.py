@@ -1,0 +1,138 @@
+"""End to end: real Snakemake on small studies with the simulator backend."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import polars as pl
+import pytest
+import yaml
+
+from servebench import trace
+from tests.workflow_helpers import copy_workflow, planned_jobs, snakemake, write_config
+
+pytestmark = pytest.mark.slow
+
+CELL = (
+    "results/simulator/cells/v0/Qwen2.5-7B-Instruct-GPTQ-Int4/nondisagg/"
+    "qps2_in1024_out6_n20_s0.parquet"
+)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One full run of a small config (all + report), shared by the tests that inspect it."""
+    from tests.conftest import SMALL_CONFIG
+
+    workdir = copy_workflow(tmp_path_factory.mktemp("run"), copy.deepcopy(SMALL_CONFIG))
+    run = snakemake(workdir, "--cores", "1", "all")
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = snakemake(workdir, "--report", "results/report.html")
+    assert report.returncode == 0, report.stderr[-3000:]
+    return workdir
+
+
+def test_all_builds_every_output_of_every_study(finished_run):
+    base = finished_run / "results" / "simulator"
+    assert len(list((base / "cells").rglob("*.parquet"))) == 4 + 4
+    for study, rows in (("disagg", 4), ("sizes", 4)):
+        summary = pl.read_parquet(base / "summary" / f"{study}.parquet")
+        assert summary.height == rows
+        assert (summary["completed"] == 20).all()
+        assert (base / "summary" / f"{study}.csv").is_file()
+        for figure in ("ttft", "tpot", "itl", "throughput"):
+            assert (base / "figures" / study / f"{figure}.svg").stat().st_size > 1000
+            html = (base / "figures" / study / f"{figure}.html").read_text()
+            assert "cdn.jsdelivr" not in html
+        assert (base / "findings" / f"{study}.md").read_text().strip()
+    table = trace.read(finished_run / CELL)
+    assert table.num_rows == 21  # 20 measured + 1 warm-up
+    meta = trace.read_metadata(finished_run / CELL)
+    assert meta["cell"]["model"]["name"] == "Qwen2.5-7B-Instruct-GPTQ-Int4"
+    assert meta["versions"]["servebench"]
+
+
+def test_report_is_self_contained(finished_run):
+    html = (finished_run / "results" / "report.html").read_text()
+    assert not re.search(r"<script[^>]+src=[\"']https?://", html)
+    assert "disagg" in html and "sizes" in html
+
+
+def test_every_rule_logs(finished_run):
+    logs = finished_run / "results" / "simulator" / "logs"
+    assert len(list(logs.rglob("*.log"))) == 8 + 3 * 2
+
+
+def test_deleting_one_cell_replans_only_that_cell_and_its_aggregates(finished_run):
+    (finished_run / CELL).unlink()
+    try:
+        dry = snakemake(finished_run, "-n", "--cores", "1", "all")
+        assert dry.returncode == 0, dry.stderr
+        assert planned_jobs(dry) == {
+            "cell": 1,
+            "summarize": 1,
+            "figures": 1,
+            "findings": 1,
+            "all": 1,
+        }
+        assert "study=disagg" in dry.stdout or "disagg" in dry.stdout
+        assert "sizes.parquet" not in dry.stdout
+    finally:
+        assert snakemake(finished_run, "--cores", "1", "all").returncode == 0
+
+
+def test_adding_a_qps_value_plans_only_the_new_cells(finished_run):
+    config = yaml.safe_load((finished_run / "config" / "config.yaml").read_text())
+    original = copy.deepcopy(config)
+    config["studies"]["disagg"]["qps"] = [2, 4, 6]
+    write_config(finished_run, config)
+    try:
+        dry = snakemake(finished_run, "-n", "--cores", "1", "all")
+        assert dry.returncode == 0, dry.stderr
+        assert planned_jobs(dry) == {
+            "cell": 2,
+            "summarize": 1,
+            "figures": 1,
+            "findings": 1,
+            "all": 1,
+        }
+    finally:
+        write_config(finished_run, original)
+
+
+def test_one_cell_target_builds_only_that_cell(tmp_path, small_config):
+    workdir = copy_workflow(tmp_path, small_config)
+    run = snakemake(workdir, "--cores", "1", CELL)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cells = list((workdir / "results" / "simulator" / "cells").rglob("*.parquet"))
+    assert [p.relative_to(workdir).as_posix() for p in cells] == [CELL]
+    assert not (workdir / "results" / "simulator" / "summary").exists()
+
+
+def test_broken_config_stops_before_any_job(tmp_path, small_config):
+    small_config["studies"]["disagg"]["models"] = ["Qwen2.5-7B-Instruct-GPTQ-Int4", "Llama-9"]
+    workdir = copy_workflow(tmp_path, small_config)
+    run = snakemake(workdir, "--cores", "1", "all")
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if "config error" in line]
+    assert errors == [
+        "servebench: config error at studies.disagg.models[1]: unknown model 'Llama-9' "
+        "(known: Qwen2.5-14B-Instruct, Qwen2.5-7B-Instruct-GPTQ-Int4)"
+    ]
+    assert "Traceback" not in run.stderr
+    assert not (workdir / "results").exists()
+
+
+def test_default_config_plans_every_study(tmp_path, default_config):
+    workdir = copy_workflow(tmp_path, default_config)
+    dry = snakemake(workdir, "-n", "--cores", "1", "all")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert planned_jobs(dry) == {
+        "cell": 116,
+        "summarize": 6,
+        "figures": 6,
+        "findings": 6,
+        "all": 1,
+    }
+

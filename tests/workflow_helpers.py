@@ -1,0 +1,58 @@
+"""Run the real workflow in a scratch copy of the repository (Snakefile, rules, scripts, ...)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOW_PARTS = ("Snakefile", "rules", "scripts", "report", "profiles", "config/schema.yaml")
+
+
+def copy_workflow(dest: Path, config: dict[str, Any]) -> Path:
+    for part in WORKFLOW_PARTS:
+        source = ROOT / part
+        target = dest / part
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target)
+        else:
+            shutil.copy(source, target)
+    write_config(dest, config)
+    return dest
+
+
+def write_config(workdir: Path, config: dict[str, Any]) -> None:
+    (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def snakemake(workdir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", *args],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def planned_jobs(result: subprocess.CompletedProcess) -> dict[str, int]:
+    """Parse the 'Job stats' table of a dry run into {rule: count}."""
+    jobs: dict[str, int] = {}
+    lines = result.stdout.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.startswith("Job stats:"))
+    except StopIteration:
+        return jobs
+    for line in lines[start + 3 :]:
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            break
+        if parts[0] != "total":
+            jobs[parts[0]] = int(parts[1])
+    return jobs
