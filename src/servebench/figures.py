@@ -1,0 +1,207 @@
+"""Study figures: TTFT, TPOT, ITL and throughput against the study's x axis.
+
+Each figure is a grid of panels: one column per statistic (mean, median, P99) or throughput
+measure, and one row per model when a study varies both the model and the serving mode (the
+Mooncake studies); otherwise a single row with one line per mode or per model, whichever varies.
+Every figure is written twice: as SVG (static, for the report) and as interactive HTML with the
+Vega libraries inlined, so both render without network access.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import altair as alt
+import polars as pl
+
+from servebench.config import MODES
+from servebench.files import atomic_path
+
+X_AXES = {
+    "qps": "Offered load (requests/s)",
+    "input_len": "Input length (tokens)",
+}
+LATENCY_FAMILIES = {
+    "ttft": "Time to first token (TTFT)",
+    "tpot": "Time per output token (TPOT)",
+    "itl": "Inter-token latency (ITL)",
+}
+STATISTICS = {"mean": "Mean", "median": "Median", "p99": "P99"}
+PANEL_WIDTH = 260
+PANEL_HEIGHT = 200
+LOG_X_RATIO = 8.0
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One subplot: which summary column goes on y, and how it is labelled."""
+
+    column: str
+    title: str
+    y_title: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which identity column gives the lines and which (if any) the rows of panels."""
+
+    series: str
+    rows: str | None
+
+
+def latency_panels(family: str) -> list[Panel]:
+    name = family.upper()
+    return [
+        Panel(f"{stat}_{family}_ms", f"{label} {name}", f"{label} {name} (ms)")
+        for stat, label in STATISTICS.items()
+    ]
+
+
+THROUGHPUT_PANELS = [
+    Panel("output_throughput", "Output token throughput", "Output tokens/s"),
+    Panel("request_throughput", "Request throughput", "Completed requests/s"),
+    Panel("request_goodput", "Goodput (requests meeting the SLOs)", "Good requests/s"),
+]
+
+
+def choose_layout(summary: pl.DataFrame) -> Layout:
+    """Lines per mode when modes vary (rows per model if models vary too), else per model."""
+    modes = summary["mode"].n_unique()
+    models = summary["model"].n_unique()
+    if modes > 1:
+        return Layout(series="mode", rows="model" if models > 1 else None)
+    return Layout(series="model", rows=None)
+
+
+def _check(summary: pl.DataFrame, x: str, columns: list[str]) -> None:
+    if x not in X_AXES:
+        raise ValueError(f"x must be one of {sorted(X_AXES)}, got {x!r}")
+    missing = [c for c in ["model", "mode", x, *columns] if c not in summary.columns]
+    if missing:
+        raise ValueError(f"study summary lacks column(s): {', '.join(missing)}")
+    if summary.is_empty():
+        raise ValueError("study summary has no rows")
+    duplicated = summary.filter(pl.struct("model", "mode", x).is_duplicated())
+    if not duplicated.is_empty():
+        first = duplicated.row(0, named=True)
+        raise ValueError(
+            f"study summary has several rows for model {first['model']!r}, mode "
+            f"{first['mode']!r}, {x}={first[x]}: one line per configuration needs one row per x"
+        )
+
+
+def series_order(summary: pl.DataFrame, column: str) -> list[str]:
+    """Modes in their canonical order (aggregated first), models as the summary lists them."""
+    values = summary[column].unique(maintain_order=True).to_list()
+    if column == "mode":
+        canonical = list(MODES)
+        return sorted(
+            values, key=lambda v: (canonical.index(v) if v in canonical else len(MODES), v)
+        )
+    return values
+
+
+def use_log_x(x_values: list[float]) -> bool:
+    """A log x axis when the values span LOG_X_RATIO or more (QPS 2…64): low loads stay legible."""
+    return len(x_values) > 2 and x_values[0] > 0 and x_values[-1] / x_values[0] >= LOG_X_RATIO
+
+
+def _panel_chart(
+    data: pl.DataFrame, panel: Panel, x: str, layout: Layout, order: list[str]
+) -> alt.Chart:
+    x_values = sorted(data[x].unique().to_list())
+    log = use_log_x(x_values)
+    legend = alt.Legend(title=layout.series.capitalize(), symbolType="stroke", symbolStrokeWidth=3)
+    return (
+        alt.Chart(
+            data,
+            title=panel.title,
+            width=PANEL_WIDTH,
+            height=PANEL_HEIGHT,
+        )
+        .mark_line(point=True)
+        .encode(
+            x=alt.X(
+                f"{x}:Q",
+                title=X_AXES[x] + (" — log scale" if log else ""),
+                scale=alt.Scale(
+                    type="log" if log else "linear", zero=False, nice=False, padding=10
+                ),
+                axis=alt.Axis(values=x_values, format="~f"),
+            ),
+            y=alt.Y(f"{panel.column}:Q", title=panel.y_title, scale=alt.Scale(zero=True)),
+            color=alt.Color(f"{layout.series}:N", sort=order, legend=legend),
+            tooltip=[
+                alt.Tooltip(f"{layout.series}:N"),
+                *([alt.Tooltip(f"{layout.rows}:N")] if layout.rows else []),
+                alt.Tooltip(f"{x}:Q", title=X_AXES[x]),
+                alt.Tooltip(f"{panel.column}:Q", title=panel.y_title, format=",.2f"),
+            ],
+        )
+    )
+
+
+def build_figure(
+    summary: pl.DataFrame, title: str, x: str, panels: list[Panel]
+) -> alt.VConcatChart:
+    """The grid of panels for one figure: rows per facet value, columns per panel."""
+    _check(summary, x, [p.column for p in panels])
+    layout = choose_layout(summary)
+    columns = sorted({"model", "mode", x, *(p.column for p in panels)})
+    # NaN or infinity (a cell without successful requests) cannot go into the JSON spec: no point.
+    data = summary.select(columns).with_columns(
+        pl.when(pl.col(p.column).cast(pl.Float64).is_finite())
+        .then(pl.col(p.column))
+        .alias(p.column)
+        for p in panels
+    )
+    order = series_order(data, layout.series)
+    facets = series_order(data, layout.rows) if layout.rows else [None]
+    rows = []
+    for facet in facets:
+        part = data if facet is None else data.filter(pl.col(layout.rows) == facet)
+        charts = [_panel_chart(part, p, x, layout, order) for p in panels]
+        row_title = (
+            alt.Title(f"Model: {facet}", fontSize=14, anchor="start") if facet is not None else ""
+        )
+        rows.append(alt.hconcat(*charts, title=row_title))
+    return (
+        alt.vconcat(*rows, title=alt.Title(title, fontSize=16, anchor="start"))
+        .resolve_scale(color="shared", y="independent")
+        .configure_legend(orient="right", labelLimit=0, titleFontSize=12, labelFontSize=12)
+        .configure_axis(labelFontSize=11, titleFontSize=12)
+        .configure_title(fontSize=13)
+    )
+
+
+def save_figure(chart: alt.TopLevelMixin, stem: Path) -> list[Path]:
+    """``stem``.svg and ``stem``.html, both usable offline."""
+    svg = stem.with_suffix(".svg")
+    html = stem.with_suffix(".html")
+    with atomic_path(svg) as tmp:
+        chart.save(tmp, format="svg")
+    with atomic_path(html) as tmp:
+        # inline=True embeds Vega itself; the default loads it from a CDN and is blank offline.
+        chart.save(tmp, format="html", inline=True)
+    return [svg, html]
+
+
+def study_figures(summary: pl.DataFrame, title: str, x: str) -> dict[str, alt.VConcatChart]:
+    """Figure name → chart, for every figure of one study."""
+    figures = {
+        family: build_figure(summary, f"{label} — {title}", x, latency_panels(family))
+        for family, label in LATENCY_FAMILIES.items()
+    }
+    figures["throughput"] = build_figure(summary, f"Throughput — {title}", x, THROUGHPUT_PANELS)
+    return figures
+
+
+def write_study_figures(summary: pl.DataFrame, title: str, x: str, out_dir: Path) -> list[Path]:
+    """Write ``{ttft,tpot,itl,throughput}.{svg,html}`` for one study; returns the paths written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, chart in study_figures(summary, title, x).items():
+        written += save_figure(chart, out_dir / name)
+    return written

@@ -1,0 +1,481 @@
+"""Study findings: the comparisons the published studies drew, as sentences with numbers.
+
+Nothing here knows a study by name. Which comparisons are made depends only on what the
+summary contains: several modes are compared within each model (plain vs chunked prefill, RDMA
+vs TCP, aggregated vs disaggregated when those modes are present); several models of one mode
+are ranked against each other. Every number in a sentence is computed from the summary.
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+import math
+from dataclasses import dataclass
+
+import polars as pl
+
+from servebench.config import MODES
+
+SATURATION_JUMP = 2.0
+QPS_TOLERANCE = 0.05
+SEND_LAG_LIMIT_MS = 5.0
+STEADY_GAP = 0.10
+"""A gap whose size changes by at most this fraction "stays about the same"."""
+STABILITY_TIE = 0.01
+"""Models whose relative growth differs by at most this much are equally stable."""
+
+REQUIRED = (
+    "model",
+    "mode",
+    "qps",
+    "input_len",
+    "num_prompts",
+    "completed",
+    "failed",
+    "achieved_qps",
+    "send_lag_p99_ms",
+    "mean_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "p99_tpot_ms",
+    "p99_itl_ms",
+)
+
+
+@dataclass(frozen=True)
+class Metric:
+    column: str
+    label: str
+
+
+MEAN_TTFT = Metric("mean_ttft_ms", "mean TTFT")
+P99_TTFT = Metric("p99_ttft_ms", "P99 TTFT")
+MEAN_TPOT = Metric("mean_tpot_ms", "mean TPOT")
+P99_TPOT = Metric("p99_tpot_ms", "P99 TPOT")
+P99_ITL = Metric("p99_itl_ms", "P99 ITL")
+
+Curve = dict[float, float]
+"""x value → metric value, only where the value is known."""
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    sentences: list[str]
+
+
+@dataclass(frozen=True)
+class Findings:
+    title: str
+    x: str
+    sections: list[Section]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Configurations compared with each other: one model's modes, or the models of one mode."""
+
+    label: str | None
+    series: str
+    rows: pl.DataFrame
+    x: str
+
+    @property
+    def names(self) -> list[str]:
+        return self.rows[self.series].unique(maintain_order=True).to_list()
+
+    @property
+    def xs(self) -> list[float]:
+        return sorted(self.rows[self.x].unique().to_list())
+
+    def curve(self, name: str, metric: Metric) -> Curve:
+        part = self.rows.filter(pl.col(self.series) == name)
+        return {
+            float(xv): float(v)
+            for xv, v in zip(part[self.x], part[metric.column], strict=True)
+            if v is not None
+        }
+
+    def scope(self) -> str:
+        return f" for {self.label}" if self.label else ""
+
+
+def fmt_x(x: str, value: float) -> str:
+    return f"QPS {value:g}" if x == "qps" else f"input {value:g} tokens"
+
+
+def fmt_ms(value: float) -> str:
+    return f"{value:,.1f} ms"
+
+
+def fmt_change(new: float, old: float) -> str:
+    """``+12.0 ms (+15.0%)``; the percentage is left out when ``old`` is zero."""
+    text = f"{new - old:+,.1f} ms"
+    return f"{text} ({(new - old) / old:+.1%})" if old else text
+
+
+def groups(summary: pl.DataFrame, x: str) -> list[Group]:
+    """Modes are compared within each model; models are compared when the mode is fixed."""
+    if summary["mode"].n_unique() > 1:
+        models = summary["model"].unique(maintain_order=True).to_list()
+        return [
+            Group(
+                model if len(models) > 1 else None,
+                "mode",
+                summary.filter(pl.col("model") == model),
+                x,
+            )
+            for model in models
+        ]
+    return [Group(None, "model", summary, x)]
+
+
+def _ranking(group: Group, metric: Metric, xv: float) -> list[tuple[float, str]]:
+    values = ((group.curve(name, metric).get(xv), name) for name in group.names)
+    return sorted((v, name) for v, name in values if v is not None)
+
+
+def winner_sentence(group: Group, xv: float) -> str | None:
+    """Which configuration has the lowest mean TTFT and mean TPOT at one x, and by how much."""
+    parts = []
+    for metric in (MEAN_TTFT, MEAN_TPOT):
+        ranking = _ranking(group, metric, xv)
+        if len(ranking) < 2:
+            continue
+        (best, name), (second, runner_up) = ranking[0], ranking[1]
+        margin = fmt_ms(second - best) + (f" ({(second - best) / second:.1%})" if second else "")
+        parts.append(
+            f"the lowest {metric.label} is {name}'s {fmt_ms(best)}, {margin} below "
+            f"{runner_up}'s {fmt_ms(second)}"
+        )
+    if not parts:
+        return None
+    return f"At {fmt_x(group.x, xv)}{group.scope()}, " + "; ".join(parts) + "."
+
+
+def gap_trend(gaps: list[tuple[float, float]], x: str) -> str:
+    """How the gap b − a moves from the lowest to the highest x."""
+    (x0, first), (x1, last) = gaps[0], gaps[-1]
+    span = f"from {fmt_ms(first)} at {fmt_x(x, x0)} to {fmt_ms(last)} at {fmt_x(x, x1)}"
+    if first * last < 0:
+        return f"the gap changes sign {span}"
+    if abs(last - first) <= STEADY_GAP * max(abs(first), abs(last)):
+        return f"the gap stays about the same ({span})"
+    return f"the gap {'grows' if abs(last) > abs(first) else 'shrinks'} {span}"
+
+
+def pair_sentence(
+    x: str, name_a: str, a: Curve, name_b: str, b: Curve, metric: Metric, scope: str = ""
+) -> str | None:
+    """``b`` against ``a`` for one metric at every x both have, and how the gap moves."""
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None
+    points = ", ".join(f"{fmt_change(b[xv], a[xv])} at {fmt_x(x, xv)}" for xv in common)
+    sentence = f"{metric.label[0].upper()}{metric.label[1:]}{scope}, {name_b} vs {name_a}: {points}"
+    if len(common) > 1:
+        sentence += "; " + gap_trend([(xv, b[xv] - a[xv]) for xv in common], x)
+    return sentence + "."
+
+
+def _pair_section(title: str, a: str, b: str, metrics: list[Metric], gs: list[Group]) -> Section:
+    sentences = [
+        pair_sentence(g.x, a, g.curve(a, m), b, g.curve(b, m), m, g.scope())
+        for g in gs
+        if a in g.names and b in g.names
+        for m in metrics
+    ]
+    return Section(title, [s for s in sentences if s])
+
+
+def best_of(group: Group, names: list[str], metric: Metric) -> Curve:
+    """The lowest value among ``names`` at each x."""
+    best: Curve = {}
+    for name in names:
+        for xv, v in group.curve(name, metric).items():
+            best[xv] = min(v, best.get(xv, v))
+    return best
+
+
+def _wins(a: Curve, b: Curve) -> tuple[list[float], int]:
+    """The x values at which curve ``b`` is lower than curve ``a``, and how many both have."""
+    common = sorted(set(a) & set(b))
+    return [xv for xv in common if b[xv] < a[xv]], len(common)
+
+
+TRADE_OFFS = {
+    (True, True): "it is ahead on both",
+    (False, False): "it is behind on both",
+    (False, True): "it trades a higher TTFT for a lower TPOT",
+    (True, False): "it trades a higher TPOT for a lower TTFT",
+}
+
+
+def trade_off_sentence(
+    group: Group, agg_ttft: Curve, dis_ttft: Curve, agg_tpot: Curve, dis_tpot: Curve
+) -> str:
+    """Where disaggregation wins on TTFT and on TPOT, and which trade-off that makes."""
+    ttft, n_ttft = _wins(agg_ttft, dis_ttft)
+    tpot, n_tpot = _wins(agg_tpot, dis_tpot)
+
+    def where(won: list[float], n: int) -> str:
+        listed = f" ({', '.join(fmt_x(group.x, xv) for xv in won)})" if won else ""
+        return f"{len(won)} of {n} points{listed}"
+
+    verdict = TRADE_OFFS[(2 * len(ttft) > n_ttft, 2 * len(tpot) > n_tpot)]
+    return (
+        f"Disaggregated serving{group.scope()} has the lower mean TTFT at {where(ttft, n_ttft)} "
+        f"and the lower mean TPOT at {where(tpot, n_tpot)}: at most points {verdict}."
+    )
+
+
+def disaggregation_section(gs: list[Group]) -> Section:
+    """Best aggregated mode vs best disaggregated mode: the TTFT vs TPOT trade-off."""
+    sentences: list[str] = []
+    for g in gs:
+        agg = [n for n in g.names if n in MODES and not MODES[n].disaggregated]
+        dis = [n for n in g.names if n in MODES and MODES[n].disaggregated]
+        if not agg or not dis:
+            continue
+        name_a = f"aggregated (best of {', '.join(agg)})"
+        name_b = f"disaggregated (best of {', '.join(dis)})"
+        curves = {m: (best_of(g, agg, m), best_of(g, dis, m)) for m in (MEAN_TTFT, MEAN_TPOT)}
+        for m, (a, b) in curves.items():
+            sentence = pair_sentence(g.x, name_a, a, name_b, b, m, g.scope())
+            sentences += [sentence] if sentence else []
+        sentences.append(trade_off_sentence(g, *curves[MEAN_TTFT], *curves[MEAN_TPOT]))
+    return Section("Aggregated vs disaggregated prefill", sentences)
+
+
+def fastest_sentence(group: Group, metric: Metric) -> str | None:
+    """Which model wins ``metric`` at the most x values."""
+    wins: dict[str, list[float]] = {}
+    for xv in group.xs:
+        ranking = _ranking(group, metric, xv)
+        if len(ranking) >= 2:
+            wins.setdefault(ranking[0][1], []).append(xv)
+    if not wins:
+        return None
+    total = sum(len(v) for v in wins.values())
+    best = max(wins, key=lambda name: len(wins[name]))
+    where = ", ".join(fmt_x(group.x, xv) for xv in wins[best])
+    return f"{best} has the lowest {metric.label} at {len(wins[best])} of {total} points ({where})."
+
+
+def growth(curve: Curve) -> float | None:
+    """Relative growth from the lowest to the highest x; None when undefined."""
+    if len(curve) < 2:
+        return None
+    first, last = curve[min(curve)], curve[max(curve)]
+    return (last - first) / first if first else None
+
+
+def stability_sentence(group: Group, metric: Metric) -> str | None:
+    """Each model's growth of ``metric`` across x, and the model that grows least."""
+    grown = {name: growth(group.curve(name, metric)) for name in group.names}
+    known = {name: g for name, g in grown.items() if g is not None}
+    if len(known) < 2:
+        return None
+    lo, hi = fmt_x(group.x, group.xs[0]), fmt_x(group.x, group.xs[-1])
+    parts = []
+    for name, g in sorted(known.items(), key=lambda item: item[1]):
+        curve = group.curve(name, metric)
+        parts.append(f"{name} {g:+.0%} ({fmt_ms(curve[min(curve)])} → {fmt_ms(curve[max(curve)])})")
+    least = min(known.values())
+    steadiest = [name for name, g in known.items() if g - least <= STABILITY_TIE]
+    verdict = (
+        f"{steadiest[0]} is the most stable"
+        if len(steadiest) == 1
+        else f"{', '.join(steadiest[:-1])} and {steadiest[-1]} are equally stable"
+    )
+    return f"From {lo} to {hi}, {metric.label} changes by {', '.join(parts)}; {verdict}."
+
+
+def models_section(gs: list[Group]) -> Section | None:
+    """Fastest and most stable model, when the study compares models of one mode."""
+    g = gs[0]
+    if g.series != "model" or len(g.names) < 2:
+        return None
+    sentences = [fastest_sentence(g, m) for m in (MEAN_TTFT, MEAN_TPOT)]
+    sentences += [stability_sentence(g, m) for m in (MEAN_TTFT, P99_TTFT)]
+    return Section("Model comparison", [s for s in sentences if s])
+
+
+def _label(row: dict, series: list[str]) -> str:
+    return " / ".join(str(row[c]) for c in series)
+
+
+def jumps(curve: Curve) -> list[tuple[tuple[float, float], tuple[float, float]]]:
+    """Consecutive points where the value grows by more than SATURATION_JUMP times."""
+    points = sorted(curve.items())
+    return [
+        (a, b) for a, b in itertools.pairwise(points) if a[1] > 0 and b[1] > SATURATION_JUMP * a[1]
+    ]
+
+
+def saturation_section(summary: pl.DataFrame, x: str, series: list[str]) -> Section:
+    """Jumps of more than 2× between consecutive x values, and cells short of their requests."""
+    sentences = []
+    for key, part in summary.group_by(series, maintain_order=True):
+        label = " / ".join(str(k) for k in key)
+        for metric in (MEAN_TTFT, P99_TTFT):
+            curve = {xv: v for xv, v in part.select(x, metric.column).rows() if v is not None}
+            sentences += [
+                f"{label}: {metric.label} jumps {v1 / v0:.1f}× from {fmt_ms(v0)} at "
+                f"{fmt_x(x, x0)} to {fmt_ms(v1)} at {fmt_x(x, x1)}, a sign of saturation."
+                for (x0, v0), (x1, v1) in jumps(curve)
+            ]
+    short = summary.filter(pl.col("completed") < pl.col("num_prompts"))
+    sentences += [
+        f"{_label(row, series)} at {fmt_x(x, row[x])} completed only {row['completed']} of "
+        f"{row['num_prompts']} requests."
+        for row in short.iter_rows(named=True)
+    ]
+    if not sentences:
+        sentences = [
+            f"No configuration saturates: no TTFT more than doubles between consecutive "
+            f"{'QPS values' if x == 'qps' else 'input lengths'} and every cell completed all its "
+            "requests."
+        ]
+    return Section("Saturation", sentences)
+
+
+def qps_sentence(row: dict, where: str) -> str | None:
+    """A sentence when the achieved request rate misses the target by more than the tolerance."""
+    target, achieved = row["qps"], row["achieved_qps"]
+    if not target or achieved is None:
+        return None
+    if not math.isfinite(achieved):
+        return f"{where}: every request was sent at the same instant (no measurable rate)."
+    if abs(achieved - target) <= QPS_TOLERANCE * target:
+        return None
+    return (
+        f"{where}: achieved {achieved:.2f} QPS against a target of {target:g} "
+        f"({(achieved - target) / target:+.1%})."
+    )
+
+
+def poisson_note(num_prompts: int) -> str:
+    """Why a QPS miss alone need not be a harness fault: the sampled schedule varies."""
+    spread = 1 / math.sqrt(max(num_prompts - 1, 1))
+    return (
+        f"With Poisson arrivals, the rate of {num_prompts} requests varies by about "
+        f"±{spread:.1%} (one standard deviation) by chance alone; send lag is the direct "
+        "measure of the load generator keeping up."
+    )
+
+
+def health_section(summary: pl.DataFrame, x: str, series: list[str]) -> Section:
+    """Did the load generator deliver the load it was asked for, and did requests fail?"""
+    qps_misses, lags = [], []
+    for row in summary.iter_rows(named=True):
+        where = f"{_label(row, series)} at {fmt_x(x, row[x])}"
+        qps_misses += [s for s in [qps_sentence(row, where)] if s]
+        lag = row["send_lag_p99_ms"]
+        if lag is not None and lag > SEND_LAG_LIMIT_MS:
+            lags.append(f"{where}: P99 send lag is {fmt_ms(lag)} (limit {SEND_LAG_LIMIT_MS:g} ms).")
+    sentences = qps_misses + lags
+    if qps_misses:
+        sentences.append(poisson_note(int(summary["num_prompts"].max())))
+    if not sentences:
+        sentences.append(
+            f"The load generator kept every cell within {QPS_TOLERANCE:.0%} of its target QPS "
+            f"with a P99 send lag of at most {SEND_LAG_LIMIT_MS:g} ms."
+        )
+    failed = summary.filter(pl.col("failed") > 0)
+    if failed.is_empty():
+        sentences.append(f"No request failed in any of the {summary.height} cells.")
+    else:
+        sentences.append(
+            f"{int(failed['failed'].sum())} request(s) failed, in {failed.height} of "
+            f"{summary.height} cells: "
+            + ", ".join(
+                f"{_label(row, series)} at {fmt_x(x, row[x])} ({row['failed']})"
+                for row in failed.iter_rows(named=True)
+            )
+            + "."
+        )
+    return Section("Harness health and failures", sentences)
+
+
+def _check(summary: pl.DataFrame, x: str) -> None:
+    if x not in ("qps", "input_len"):
+        raise ValueError(f"x must be 'qps' or 'input_len', got {x!r}")
+    missing = [c for c in REQUIRED if c not in summary.columns]
+    if missing:
+        raise ValueError(f"study summary lacks column(s): {', '.join(missing)}")
+    duplicated = summary.filter(pl.struct("model", "mode", x).is_duplicated())
+    if not duplicated.is_empty():
+        first = duplicated.row(0, named=True)
+        raise ValueError(
+            f"study summary has several rows for model {first['model']!r}, mode "
+            f"{first['mode']!r}, {x}={first[x]}: findings need one row per configuration and x"
+        )
+
+
+def _clean(summary: pl.DataFrame) -> pl.DataFrame:
+    """NaN or infinite metrics (no successful request) are treated as missing values.
+
+    ``achieved_qps`` keeps its infinity: it means every request went out at one instant.
+    """
+    floats = [c for c, t in summary.schema.items() if t.is_float() and c != "achieved_qps"]
+    return summary.with_columns(
+        pl.when(pl.col(c).is_finite()).then(pl.col(c)).alias(c) for c in floats
+    )
+
+
+def study_findings(summary: pl.DataFrame, title: str, x: str) -> Findings:
+    """Turn one study's summary into sections of sentences."""
+    _check(summary, x)
+    if summary.is_empty():
+        return Findings(title, x, [Section("No data", ["The study summary has no cells."])])
+    summary = _clean(summary)
+    gs = groups(summary, x)
+    series = [c for c in ("model", "mode") if summary[c].n_unique() > 1] or ["model"]
+    sections = [
+        Section(
+            "Lowest latency at each point",
+            [s for g in gs for xv in g.xs if (s := winner_sentence(g, xv))],
+        ),
+        _pair_section(
+            "Plain vs chunked prefill", "nondisagg", "chunked", [MEAN_TTFT, P99_TPOT, P99_ITL], gs
+        ),
+        _pair_section(
+            "Mooncake RDMA vs TCP",
+            "mooncake-rdma",
+            "mooncake-tcp",
+            [MEAN_TTFT, P99_TTFT, MEAN_TPOT],
+            gs,
+        ),
+        disaggregation_section(gs),
+        models_section(gs),
+        saturation_section(summary, x, series),
+        health_section(summary, x, series),
+    ]
+    return Findings(title, x, [s for s in sections if s and s.sentences])
+
+
+def to_markdown(findings: Findings) -> str:
+    lines = [f"# Findings: {findings.title}", ""]
+    for section in findings.sections:
+        lines += [f"## {section.title}", ""]
+        lines += [f"- {sentence}" for sentence in section.sentences]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def to_html(findings: Findings) -> str:
+    """A self-contained page (no external resources), every text escaped."""
+    body = [f"<h1>Findings: {html.escape(findings.title)}</h1>"]
+    for section in findings.sections:
+        body.append(f"<h2>{html.escape(section.title)}</h2>")
+        body.append("<ul>")
+        body += [f"<li>{html.escape(s)}</li>" for s in section.sentences]
+        body.append("</ul>")
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f"<title>Findings: {html.escape(findings.title)}</title>\n"
+        "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto;line-height:1.5}"
+        "h2{margin-top:1.5em}</style>\n</head>\n<body>\n" + "\n".join(body) + "\n</body>\n</html>\n"
+    )

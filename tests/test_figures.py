@@ -1,0 +1,168 @@
+"""Study figures are really rendered: SVG that parses, offline HTML, readable labels."""
+
+from __future__ import annotations
+
+import math
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from servebench.figures import (
+    build_figure,
+    choose_layout,
+    latency_panels,
+    series_order,
+    use_log_x,
+    write_study_figures,
+)
+
+STATS = ("mean", "median", "std", "p90", "p95", "p99")
+
+
+def make_summary(models: list[str], modes: list[str], xs: list[float], x: str = "qps"):
+    """A small synthetic study summary: latency grows with x, model index and mode index."""
+    rows = []
+    for i, model in enumerate(models):
+        for j, mode in enumerate(modes):
+            for k, xv in enumerate(xs):
+                base = 40.0 * (i + 1) * (1 + 0.3 * j) * (1 + 0.5 * k)
+                row = {
+                    "model": model,
+                    "mode": mode,
+                    "qps": float(xv) if x == "qps" else 16.0,
+                    "input_len": int(xv) if x == "input_len" else 1024,
+                    "output_throughput": 6.0 * (k + 1),
+                    "request_throughput": 1.0 * (k + 1),
+                    "request_goodput": 0.8 * (k + 1),
+                }
+                for family, scale in (("ttft", 1.0), ("tpot", 0.2), ("itl", 0.15)):
+                    row |= {f"{s}_{family}_ms": base * scale * (1 + n) for n, s in enumerate(STATS)}
+                rows.append(row)
+    return pl.DataFrame(rows)
+
+
+MOONCAKE = make_summary(["Qwen-72B", "Qwen-7B"], ["mooncake-tcp", "nondisagg"], [2, 4])
+TITLE = "Disaggregation <test> study"
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return write_study_figures(MOONCAKE, TITLE, "qps", tmp_path_factory.mktemp("figs"))
+
+
+def svg_text(path: Path) -> str:
+    """All text drawn in an SVG, joined; parsing also proves it is well-formed XML."""
+    root = ET.parse(path).getroot()
+    return " ".join(t for t in root.itertext() if t.strip())
+
+
+def test_writes_every_figure_as_svg_and_html(rendered: list[Path]) -> None:
+    names = sorted(p.name for p in rendered)
+    expected = [
+        f"{f}.{ext}" for f in ("itl", "throughput", "tpot", "ttft") for ext in ("html", "svg")
+    ]
+    assert names == expected
+    assert all(p.stat().st_size > 0 for p in rendered)
+    leftovers = [p.name for p in rendered[0].parent.iterdir() if p not in rendered]
+    assert leftovers == []
+
+
+def test_svg_has_titles_axes_and_legend(rendered: list[Path]) -> None:
+    text = svg_text(rendered[0].parent / "ttft.svg")
+    for label in (
+        "Time to first token (TTFT)",
+        TITLE,
+        "Mean TTFT",
+        "Median TTFT",
+        "P99 TTFT",
+        "Mean TTFT (ms)",
+        "Offered load (requests/s)",
+        "Model: Qwen-72B",
+        "Model: Qwen-7B",
+        "Mode",
+        "nondisagg",
+        "mooncake-tcp",
+    ):
+        assert label in text, label
+    throughput = svg_text(rendered[0].parent / "throughput.svg")
+    for label in ("Output tokens/s", "Completed requests/s", "Good requests/s"):
+        assert label in throughput, label
+
+
+def test_html_is_interactive_and_offline(rendered: list[Path]) -> None:
+    for path in rendered:
+        if path.suffix != ".html":
+            continue
+        page = path.read_text()
+        assert "cdn.jsdelivr" not in page
+        assert not re.search(r"<script[^>]*\bsrc\s*=", page)
+        assert not re.search(r"""<link[^>]*href\s*=\s*["']?http""", page)
+        assert "vegaEmbed" in page
+        assert "Disaggregation" in page
+        assert {"ttft": "Mean TTFT", "tpot": "P99 TPOT", "itl": "Median ITL"}.get(
+            path.stem, "Goodput"
+        ) in page
+
+
+def test_input_length_axis(tmp_path: Path) -> None:
+    summary = make_summary(["cmd-r", "cmd-r-plus"], ["single"], [1024, 2048, 4096], "input_len")
+    write_study_figures(summary, "Input study", "input_len", tmp_path)
+    text = svg_text(tmp_path / "tpot.svg")
+    assert "Input length (tokens)" in text
+    assert "4096" in text
+    assert "Model" in text and "cmd-r-plus" in text
+
+
+def test_layout_follows_what_varies() -> None:
+    both = choose_layout(MOONCAKE)
+    assert (both.series, both.rows) == ("mode", "model")
+    models = choose_layout(make_summary(["a", "b"], ["single"], [2]))
+    assert (models.series, models.rows) == ("model", None)
+    modes = choose_layout(make_summary(["a"], ["chunked", "nondisagg"], [2]))
+    assert (modes.series, modes.rows) == ("mode", None)
+
+
+def test_modes_in_canonical_order() -> None:
+    assert series_order(MOONCAKE, "mode") == ["nondisagg", "mooncake-tcp"]
+
+
+def test_wide_qps_range_uses_a_log_axis() -> None:
+    assert use_log_x([2, 4, 8, 16, 32, 64])
+    assert not use_log_x([2, 4, 6, 8])
+    assert not use_log_x([1024, 2048, 4096])
+    assert not use_log_x([2, 64])
+
+
+def test_y_axis_starts_at_zero() -> None:
+    spec = build_figure(MOONCAKE, "t", "qps", latency_panels("ttft")).to_dict()
+    scales = re.findall(r"'y': \{[^{}]*'scale': \{'zero': (\w+)", str(spec))
+    assert scales and set(scales) == {"True"}
+
+
+def test_missing_values_and_single_point_render(tmp_path: Path) -> None:
+    summary = make_summary(["only"], ["single"], [2]).with_columns(
+        pl.lit(math.nan).alias("p99_ttft_ms"),
+        pl.lit(None, pl.Float64).alias("mean_itl_ms"),
+        pl.lit(math.inf).alias("output_throughput"),
+    )
+    paths = write_study_figures(summary, "Degenerate", "qps", tmp_path)
+    assert len(paths) == 8
+    assert "P99 TTFT" in svg_text(tmp_path / "ttft.svg")
+
+
+@pytest.mark.parametrize(
+    ("summary", "x", "message"),
+    [
+        (MOONCAKE.drop("p99_itl_ms"), "qps", "p99_itl_ms"),
+        (MOONCAKE, "seconds", "x must be"),
+        (pl.concat([MOONCAKE, MOONCAKE.head(1)]), "qps", "several rows"),
+        (MOONCAKE.clear(), "qps", "no rows"),
+    ],
+)
+def test_bad_summary_is_named(tmp_path: Path, summary: pl.DataFrame, x: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        write_study_figures(summary, "t", x, tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,273 @@
+"""Findings on hand-built summaries: the right winner, the right numbers, the right direction."""
+
+from __future__ import annotations
+
+import math
+
+import polars as pl
+import pytest
+
+from servebench.findings import Findings, study_findings, to_html, to_markdown
+
+
+def cell(
+    model: str,
+    mode: str,
+    xv: float,
+    ttft: float,
+    tpot: float = 10.0,
+    x: str = "qps",
+    **overrides: float,
+) -> dict:
+    """One summary row; P99s are twice the means unless overridden."""
+    row = {
+        "model": model,
+        "mode": mode,
+        "qps": float(xv) if x == "qps" else 16.0,
+        "input_len": int(xv) if x == "input_len" else 1024,
+        "num_prompts": 200,
+        "completed": 200,
+        "failed": 0,
+        "achieved_qps": float(xv) if x == "qps" else 16.0,
+        "send_lag_p99_ms": 0.5,
+        "mean_ttft_ms": ttft,
+        "p99_ttft_ms": 2 * ttft,
+        "mean_tpot_ms": tpot,
+        "p99_tpot_ms": 2 * tpot,
+        "p99_itl_ms": 2 * tpot,
+    }
+    return row | overrides
+
+
+def findings(rows: list[dict], x: str = "qps") -> Findings:
+    return study_findings(pl.DataFrame(rows), "Test study", x)
+
+
+def section(result: Findings, title: str) -> list[str]:
+    matches = [s.sentences for s in result.sections if s.title == title]
+    assert matches, f"no section {title!r} in {[s.title for s in result.sections]}"
+    return matches[0]
+
+
+def titles(result: Findings) -> list[str]:
+    return [s.title for s in result.sections]
+
+
+PLAIN_VS_CHUNKED = [
+    cell("m", "nondisagg", 2, 100.0, tpot=20.0),
+    cell("m", "nondisagg", 4, 200.0, tpot=30.0),
+    cell("m", "chunked", 2, 120.0, tpot=15.0),
+    cell("m", "chunked", 4, 300.0, tpot=25.0),
+]
+
+
+def test_winner_at_each_x_with_margin() -> None:
+    sentences = section(findings(PLAIN_VS_CHUNKED), "Lowest latency at each point")
+    assert sentences[0] == (
+        "At QPS 2, the lowest mean TTFT is nondisagg's 100.0 ms, 20.0 ms (16.7%) below "
+        "chunked's 120.0 ms; the lowest mean TPOT is chunked's 15.0 ms, 5.0 ms (25.0%) below "
+        "nondisagg's 20.0 ms."
+    )
+    assert "At QPS 4, the lowest mean TTFT is nondisagg's 200.0 ms, 100.0 ms" in sentences[1]
+
+
+def test_plain_vs_chunked_gap_grows() -> None:
+    sentences = section(findings(PLAIN_VS_CHUNKED), "Plain vs chunked prefill")
+    ttft = next(s for s in sentences if s.startswith("Mean TTFT"))
+    assert "chunked vs nondisagg: +20.0 ms (+20.0%) at QPS 2, +100.0 ms (+50.0%) at QPS 4" in ttft
+    assert "the gap grows from 20.0 ms at QPS 2 to 100.0 ms at QPS 4" in ttft
+    tpot = next(s for s in sentences if s.startswith("P99 TPOT"))
+    assert "-10.0 ms (-25.0%) at QPS 2" in tpot
+    assert "stays about the same" in tpot
+    assert any(s.startswith("P99 ITL") for s in sentences)
+
+
+def test_rdma_vs_tcp_gap_shrinks_and_changes_sign() -> None:
+    rows = [
+        cell("m", "mooncake-rdma", 2, 100.0),
+        cell("m", "mooncake-rdma", 4, 100.0),
+        cell("m", "mooncake-rdma", 8, 100.0),
+        cell("m", "mooncake-tcp", 2, 150.0, tpot=12.0),
+        cell("m", "mooncake-tcp", 4, 120.0, tpot=11.0),
+        cell("m", "mooncake-tcp", 8, 90.0, tpot=10.5),
+    ]
+    sentences = section(findings(rows), "Mooncake RDMA vs TCP")
+    assert "the gap changes sign from 50.0 ms at QPS 2 to -10.0 ms at QPS 8" in sentences[0]
+    assert "the gap shrinks from 2.0 ms at QPS 2 to 0.5 ms at QPS 8" in sentences[2]
+    assert "Plain vs chunked prefill" not in titles(findings(rows))
+
+
+def test_disaggregation_trade_off_per_model() -> None:
+    rows = []
+    for model, scale in (("big", 2.0), ("small", 1.0)):
+        for xv in (2, 4):
+            rows += [
+                cell(model, "nondisagg", xv, 100.0 * scale, tpot=30.0),
+                cell(model, "chunked", xv, 110.0 * scale, tpot=25.0),
+                cell(model, "mooncake-rdma", xv, 150.0 * scale, tpot=10.0),
+                cell(model, "mooncake-tcp", xv, 170.0 * scale, tpot=12.0),
+            ]
+    sentences = section(findings(rows), "Aggregated vs disaggregated prefill")
+    assert len(sentences) == 6
+    ttft = sentences[0]
+    assert ttft.startswith("Mean TTFT for big, disaggregated (best of mooncake-rdma, mooncake-tcp)")
+    assert "vs aggregated (best of nondisagg, chunked): +100.0 ms (+50.0%) at QPS 2" in ttft
+    assert "Mean TPOT for big" in sentences[1] and "-15.0 ms (-60.0%) at QPS 2" in sentences[1]
+    assert sentences[2] == (
+        "Disaggregated serving for big has the lower mean TTFT at 0 of 2 points and the lower "
+        "mean TPOT at 2 of 2 points (QPS 2, QPS 4): at most points it trades a higher TTFT for "
+        "a lower TPOT."
+    )
+    assert "for small" in sentences[3]
+
+
+def test_models_fastest_and_most_stable() -> None:
+    rows = [
+        cell("steady", "single", 2, 30.0, tpot=8.0),
+        cell("steady", "single", 4, 33.0, tpot=8.0),
+        cell("steady", "single", 8, 36.0, tpot=9.0),
+        cell("fragile", "single", 2, 40.0, tpot=5.0),
+        cell("fragile", "single", 4, 60.0, tpot=5.0),
+        cell("fragile", "single", 8, 120.0, tpot=6.0),
+    ]
+    result = findings(rows)
+    sentences = section(result, "Model comparison")
+    assert sentences[0] == "steady has the lowest mean TTFT at 3 of 3 points (QPS 2, QPS 4, QPS 8)."
+    assert sentences[1].startswith("fragile has the lowest mean TPOT at 3 of 3 points")
+    assert sentences[2] == (
+        "From QPS 2 to QPS 8, mean TTFT changes by steady +20% (30.0 ms → 36.0 ms), "
+        "fragile +200% (40.0 ms → 120.0 ms); steady is the most stable."
+    )
+    assert "P99 TTFT" in sentences[3]
+    assert "Plain vs chunked prefill" not in titles(result)
+
+
+def test_input_length_axis_wording() -> None:
+    rows = [
+        cell("a", "single", 1024, 50.0, x="input_len"),
+        cell("a", "single", 4096, 200.0, x="input_len"),
+        cell("b", "single", 1024, 70.0, x="input_len"),
+        cell("b", "single", 4096, 140.0, x="input_len"),
+    ]
+    result = findings(rows, x="input_len")
+    stability = section(result, "Model comparison")[2]
+    assert stability.startswith("From input 1024 tokens to input 4096 tokens")
+    assert stability.endswith("b is the most stable.")
+    assert "mean TTFT jumps 4.0× from 50.0 ms at input 1024 tokens" in " ".join(
+        section(result, "Saturation")
+    )
+
+
+def test_saturation_jump_and_incomplete_cells() -> None:
+    rows = [
+        cell("m", "single", 2, 100.0),
+        cell("m", "single", 4, 150.0),
+        cell("m", "single", 6, 450.0, completed=150, failed=50),
+    ]
+    sentences = section(findings(rows), "Saturation")
+    assert (
+        "m: mean TTFT jumps 3.0× from 150.0 ms at QPS 4 to 450.0 ms at QPS 6, a sign of saturation."
+    ) in sentences
+    assert "m at QPS 6 completed only 150 of 200 requests." in sentences
+
+
+def test_no_saturation_says_so() -> None:
+    rows = [cell("m", "single", 2, 100.0), cell("m", "single", 4, 199.0)]
+    sentences = section(findings(rows), "Saturation")
+    assert sentences == [
+        "No configuration saturates: no TTFT more than doubles between consecutive QPS values "
+        "and every cell completed all its requests."
+    ]
+
+
+def test_harness_health_and_failures() -> None:
+    rows = [
+        cell("m", "nondisagg", 4, 100.0, achieved_qps=3.5),
+        cell("m", "chunked", 4, 100.0, send_lag_p99_ms=7.25, failed=3),
+        cell("m", "chunked", 2, 100.0, achieved_qps=2.08),
+    ]
+    sentences = section(findings(rows), "Harness health and failures")
+    assert sentences == [
+        "nondisagg at QPS 4: achieved 3.50 QPS against a target of 4 (-12.5%).",
+        "chunked at QPS 4: P99 send lag is 7.2 ms (limit 5 ms).",
+        "With Poisson arrivals, the rate of 200 requests varies by about ±7.1% (one standard "
+        "deviation) by chance alone; send lag is the direct measure of the load generator "
+        "keeping up.",
+        "3 request(s) failed, in 1 of 3 cells: chunked at QPS 4 (3).",
+    ]
+
+
+def test_healthy_harness() -> None:
+    sentences = section(findings(PLAIN_VS_CHUNKED), "Harness health and failures")
+    assert sentences[0].startswith("The load generator kept every cell within 5%")
+    assert sentences[1] == "No request failed in any of the 4 cells."
+
+
+def test_single_cell_does_not_compare() -> None:
+    result = findings([cell("m", "single", 2, 100.0)])
+    assert titles(result) == ["Saturation", "Harness health and failures"]
+
+
+def test_zero_and_missing_values_do_not_divide_by_zero() -> None:
+    rows = [
+        cell("a", "single", 2, 0.0, tpot=0.0, achieved_qps=0.0),
+        cell("a", "single", 4, 0.0, tpot=0.0),
+        cell("b", "single", 2, 0.0, tpot=0.0),
+        cell("b", "single", 4, math.nan, tpot=math.inf, completed=0, failed=200),
+    ]
+    result = findings(rows)
+    text = to_markdown(result)
+    assert "0.0 ms, 0.0 ms below" in text
+    assert "b at QPS 4 completed only 0 of 200 requests." in text
+    assert "nan" not in text.lower()
+
+
+def test_zero_target_qps_is_not_a_deviation() -> None:
+    result = findings([cell("m", "single", 0, 10.0, achieved_qps=0.0)])
+    assert "within 5%" in section(result, "Harness health and failures")[0]
+
+
+def test_requests_sent_at_one_instant() -> None:
+    result = findings([cell("m", "single", 4, 10.0, achieved_qps=math.inf)])
+    sentences = section(result, "Harness health and failures")
+    assert (
+        sentences[0]
+        == "m at QPS 4: every request was sent at the same instant (no measurable rate)."
+    )
+
+
+def test_empty_summary() -> None:
+    empty = pl.DataFrame([cell("m", "single", 2, 1.0)]).clear()
+    result = study_findings(empty, "Empty", "qps")
+    assert result.sections[0].sentences == ["The study summary has no cells."]
+
+
+@pytest.mark.parametrize(
+    ("summary", "x", "message"),
+    [
+        (pl.DataFrame([cell("m", "single", 2, 1.0)]).drop("p99_itl_ms"), "qps", "p99_itl_ms"),
+        (pl.DataFrame([cell("m", "single", 2, 1.0)]), "latency", "x must be"),
+        (pl.DataFrame([cell("m", "single", 2, 1.0)] * 2), "qps", "several rows"),
+    ],
+)
+def test_bad_input_is_named(summary: pl.DataFrame, x: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        study_findings(summary, "t", x)
+
+
+def test_markdown_rendering() -> None:
+    text = to_markdown(findings(PLAIN_VS_CHUNKED))
+    assert text.startswith(
+        "# Findings: Test study\n\n## Lowest latency at each point\n\n- At QPS 2"
+    )
+    assert "\n## Plain vs chunked prefill\n" in text
+
+
+def test_html_is_escaped_and_self_contained() -> None:
+    rows = [cell("<script>alert(1)</script>", "single", 2, 1.0), cell("a&b", "single", 2, 2.0)]
+    page = to_html(study_findings(pl.DataFrame(rows), "R&D <study>", "qps"))
+    assert "<script>" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "R&amp;D &lt;study&gt;" in page
+    assert "a&amp;b" in page
+    assert "http" not in page
