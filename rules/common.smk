@@ -10,6 +10,8 @@ from servebench.workflow import fail_on_config_error
 with fail_on_config_error():
     SB = sb_config.load(config, Path(workflow.basedir) / "config" / "schema.yaml")
     check_backend(SB.backend)
+# The report's Jinja templates read `config`: give them the validated one, defaults filled.
+config.update(SB.raw)
 
 STUDIES = SB.studies
 FIGURES = ("ttft", "tpot", "itl", "throughput")
@@ -44,7 +46,9 @@ def study_outputs(study):
 
 
 def get_final_output():
-    return [path for study in STUDIES for path in study_outputs(study)]
+    """Every study's outputs, and every trace: a deleted trace is rebuilt, with its aggregates."""
+    traces = [cell.path for cell in SB.all_cells()]
+    return traces + [path for study in STUDIES for path in study_outputs(study)]
 
 
 def get_cell(wildcards):

@@ -254,7 +254,7 @@ def test_read_keeps_extra_columns_after_the_contract(tmp_path: Path) -> None:
 def test_read_metadata_of_a_non_parquet_file_names_it(tmp_path: Path) -> None:
     path = tmp_path / "t.parquet"
     path.write_text("not parquet")
-    with pytest.raises(trace.TraceError, match="t.parquet"):
+    with pytest.raises(trace.TraceError, match=r"t\.parquet"):
         trace.read_metadata(path)
 
 

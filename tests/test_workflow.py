@@ -76,8 +76,8 @@ def test_deleting_one_cell_replans_only_that_cell_and_its_aggregates(finished_ru
             "findings": 1,
             "all": 1,
         }
-        assert "study=disagg" in dry.stdout or "disagg" in dry.stdout
-        assert "sizes.parquet" not in dry.stdout
+        assert "output: results/simulator/summary/disagg.parquet" in dry.stdout
+        assert "output: results/simulator/summary/sizes.parquet" not in dry.stdout
     finally:
         assert snakemake(finished_run, "--cores", "1", "all").returncode == 0
 
@@ -135,4 +135,3 @@ def test_default_config_plans_every_study(tmp_path, default_config):
         "findings": 6,
         "all": 1,
     }
-

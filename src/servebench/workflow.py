@@ -29,4 +29,13 @@ def log_to(path: str) -> logging.Logger:
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)
-    return logging.getLogger("servebench")
+    logger = logging.getLogger("servebench")
+    previous_hook = sys.excepthook
+
+    def log_uncaught(kind, error, tb):
+        # The job's own log must say why it failed, not only Snakemake's console.
+        logger.error("job failed: %s", error, exc_info=(kind, error, tb))
+        previous_hook(kind, error, tb)
+
+    sys.excepthook = log_uncaught
+    return logger
