@@ -28,6 +28,7 @@ def cell(
         "num_prompts": 200,
         "completed": 200,
         "failed": 0,
+        "scheduled_qps": float(xv) if x == "qps" else 16.0,
         "achieved_qps": float(xv) if x == "qps" else 16.0,
         "send_lag_p99_ms": 0.5,
         "mean_ttft_ms": ttft,
@@ -184,22 +185,19 @@ def test_harness_health_and_failures() -> None:
     rows = [
         cell("m", "nondisagg", 4, 100.0, achieved_qps=3.5),
         cell("m", "chunked", 4, 100.0, send_lag_p99_ms=7.25, failed=3),
-        cell("m", "chunked", 2, 100.0, achieved_qps=2.08),
+        cell("m", "chunked", 2, 100.0, scheduled_qps=2.08, achieved_qps=2.08),
     ]
     sentences = section(findings(rows), "Harness health and failures")
     assert sentences == [
-        "nondisagg at QPS 4: achieved 3.50 QPS against a target of 4 (-12.5%).",
+        "nondisagg at QPS 4: sent 3.50 requests/s where the schedule asked for 4.00 (-12.5%).",
         "chunked at QPS 4: P99 send lag is 7.2 ms (limit 5 ms).",
-        "With Poisson arrivals, the rate of 200 requests varies by about ±7.1% (one standard "
-        "deviation) by chance alone; send lag is the direct measure of the load generator "
-        "keeping up.",
         "3 request(s) failed, in 1 of 3 cells: chunked at QPS 4 (3).",
     ]
 
 
 def test_healthy_harness() -> None:
     sentences = section(findings(PLAIN_VS_CHUNKED), "Harness health and failures")
-    assert sentences[0].startswith("The load generator kept every cell within 5%")
+    assert sentences[0].startswith("The load generator kept every cell within 1%")
     assert sentences[1] == "No request failed in any of the 4 cells."
 
 
@@ -223,8 +221,8 @@ def test_zero_and_missing_values_do_not_divide_by_zero() -> None:
 
 
 def test_zero_target_qps_is_not_a_deviation() -> None:
-    result = findings([cell("m", "single", 0, 10.0, achieved_qps=0.0)])
-    assert "within 5%" in section(result, "Harness health and failures")[0]
+    result = findings([cell("m", "single", 0, 10.0, scheduled_qps=0.0, achieved_qps=0.0)])
+    assert "within 1%" in section(result, "Harness health and failures")[0]
 
 
 def test_requests_sent_at_one_instant() -> None:

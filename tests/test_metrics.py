@@ -217,6 +217,7 @@ def test_send_lag_and_achieved_qps() -> None:
     assert m.send_lag_p99_ms == pytest.approx(48.8)  # rank 2.97: 10 + 0.97*40
     assert m.send_lag_max_ms == pytest.approx(50.0)
     assert m.achieved_qps == pytest.approx(1.5)  # 3 gaps over 2.0 s of sends
+    assert m.scheduled_qps == pytest.approx(3 / 1.95)  # 3 gaps over 1.95 s of schedule
 
 
 def test_achieved_qps_counts_failed_sends_and_is_zero_for_one_request() -> None:
@@ -281,7 +282,7 @@ def test_field_names_are_the_contract() -> None:
         for stat in ("mean", "median", "std", "p90", "p95", "p99")
     ]
 
-    assert names[:14] == [
+    assert names[:15] == [
         "completed",
         "failed",
         "duration_s",
@@ -292,12 +293,13 @@ def test_field_names_are_the_contract() -> None:
         "total_token_throughput",
         "request_goodput",
         "good_fraction",
+        "scheduled_qps",
         "achieved_qps",
         "send_lag_p50_ms",
         "send_lag_p99_ms",
         "send_lag_max_ms",
     ]
-    assert names[14:] == latency
+    assert names[15:] == latency
 
 
 def random_records(rng: np.random.Generator, n: int) -> list[trace.RequestRecord]:

@@ -63,6 +63,7 @@ class CellMetrics:
     total_token_throughput: float
     request_goodput: float
     good_fraction: float
+    scheduled_qps: float
     achieved_qps: float
     send_lag_p50_ms: float
     send_lag_p99_ms: float
@@ -144,6 +145,7 @@ def compute(
         total_token_throughput=(input_tokens + output_tokens) / duration_s,
         request_goodput=good / duration_s,
         good_fraction=good / measured.height,
+        scheduled_qps=achieved_qps(measured["scheduled_s"].to_numpy()),
         achieved_qps=achieved_qps(measured["sent_s"].to_numpy()),
         **_send_lag_ms(measured),
         **_stats_ms("ttft", latencies.ttft_s),
@@ -168,7 +170,10 @@ def latencies_of(ok: pl.DataFrame) -> Latencies:
 
 
 def achieved_qps(sent_s: np.ndarray) -> float:
-    """Requests per second the client actually sent: (n - 1) gaps over the send span.
+    """Request rate of a list of send times: (n - 1) gaps over their span.
+
+    Applied to ``sent_s`` it is the rate the client delivered; applied to ``scheduled_s`` the
+    rate the seeded schedule offered (a sample, so not exactly the cell's QPS).
 
     0 for a single request (no gap to measure); infinite if several went out at one instant.
     """
