@@ -76,10 +76,17 @@ class Workload:
 
 @dataclass(frozen=True)
 class Serving:
-    """Server flags shared by every instance of a deployment."""
+    """Server flags shared by every instance of a deployment.
+
+    ``max_num_batched_tokens`` None keeps the recipe's default (see
+    ``servebench.engine.scheduler.scheduler_config``); ``enforce_eager`` is vLLM's
+    ``--enforce-eager`` (no CUDA graphs).
+    """
 
     max_model_len: int
     gpu_memory_utilization: float
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -256,7 +263,12 @@ def _study(
                     f"pins only {len(models[model].gpus)}",
                 )
     settings = {**raw["defaults"], **data.get("workload", {})}
-    serving = Serving(settings["max_model_len"], settings["gpu_memory_utilization"])
+    serving = Serving(
+        settings["max_model_len"],
+        settings["gpu_memory_utilization"],
+        settings.get("max_num_batched_tokens"),
+        bool(settings.get("enforce_eager", False)),
+    )
     cells = []
     for model in data["models"]:
         spec = models[model]

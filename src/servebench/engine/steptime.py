@@ -30,3 +30,19 @@ class StepTimeModel(Protocol):
     """Predicts the duration of one engine step in milliseconds (no jitter: the engine adds it)."""
 
     def step_ms(self, batch: StepBatch) -> float: ...
+
+
+class WithDecodeOverhead:
+    """A step-time model plus a fixed cost on pure-decode steps: ``--enforce-eager`` (or V0's
+    per-step TP broadcast) on top of a measured table taken with CUDA graphs."""
+
+    def __init__(self, model: StepTimeModel, decode_extra_ms: float, any_step_extra_ms: float):
+        self.model = model
+        self.decode_extra_ms = decode_extra_ms
+        self.any_step_extra_ms = any_step_extra_ms
+
+    def step_ms(self, batch: StepBatch) -> float:
+        extra = self.any_step_extra_ms
+        if not batch.prefill_chunks:
+            extra += self.decode_extra_ms
+        return self.model.step_ms(batch) + extra

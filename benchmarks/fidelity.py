@@ -1,0 +1,386 @@
+"""Simulator fidelity: Mooncake's published vLLM tables (A10) against the simulator's predictions.
+
+Every row of ``benchmarks/data/mooncake_published.csv`` (Mooncake's v0.1 and v0.2 vLLM benchmark
+tables) is configured as a servebench cell, simulated through the package API, and printed next
+to the published TTFT, TPOT and ITL (mean, median, P99) with the ratio predicted / published.
+The closing lines count the ratios inside the target band 0.77-1.3 (issue 3).
+
+Setup of every row, as the published runs had it (reference/vllm-mooncake-spec.md §2, §5):
+
+* model Qwen2.5-7B-Instruct-GPTQ-Int4 on A10-24GB GPUs, recipe ``v0`` (vLLM 0.6.x, V0 engine);
+* input length = the published mean prompt length (total input tokens / 200; sonnet prompts of
+  ``--sonnet-input-len 1024`` average 1011.6 tokens in v0.1 and 1010.0 in v0.2), output 6,
+  200 prompts, seed 0, Poisson arrivals, one warm-up request (the client's test prompt);
+* v0.1 non-disaggregated rows ran ONE instance (Mooncake issue #5), with and without
+  ``--enable-chunked-prefill``; ``--gpu-memory-utilization 0.95`` (v0.1 doc commands);
+* disaggregated rows: one prefill and one decode instance of the row's TP, one per node, KV over
+  Mooncake's Transfer Engine (RDMA or TCP); ``--gpu-memory-utilization 0.8`` in v0.2.
+* serving knobs: the v0.1 chunked row uses vLLM 0.6.2's 512-token budget
+  (``max_num_batched_tokens``), v0.2 rows with TP > 1 ``enforce_eager`` (the Dec 2024 doc
+  required ``--enforce-eager`` with TP), 2-NIC rows ``engine.kv_link.nics = 2``.
+
+Usage: ``python benchmarks/fidelity.py [--table v0.2-qps ...] [--csv out.csv]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from servebench.cell import identity
+from servebench.config import MODES, Cell, ModelSpec, ModeSpec, Serving, Workload
+from servebench.metrics import CellMetrics, compute
+from servebench.simulate import simulate
+from servebench.trace import to_table
+
+PUBLISHED_CSV = Path(__file__).resolve().parent / "data" / "mooncake_published.csv"
+BAND = (0.77, 1.3)
+FAMILIES = ("ttft", "tpot", "itl")
+STATS = ("mean", "median", "p99")
+METRICS = tuple(f"{stat}_{family}_ms" for family in FAMILIES for stat in STATS)
+
+MODEL = ModelSpec(
+    name="Qwen2.5-7B-Instruct-GPTQ-Int4",
+    hf_id="Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",
+    architecture="qwen2.5-7b",
+    quantization="gptq-int4",
+    tensor_parallel=1,
+    gpus=((0,),),
+)
+GPU = "A10-24GB"
+RECIPE = "v0"
+OUTPUT_LEN = 6
+SEED = 0
+MAX_MODEL_LEN = 10000
+GPU_MEMORY_UTILIZATION = {"v0.1": 0.95, "v0.2": 0.8}
+"""``--gpu-memory-utilization`` of the doc commands each table was measured with."""
+
+SINGLE_CHUNKED = ModeSpec("single-chunked", 1, False, True)
+"""One instance with ``--enable-chunked-prefill``: the v0.1 chunked row (no stock mode has it)."""
+
+
+@dataclass(frozen=True)
+class PublishedRow:
+    """One row of a published table; ``metrics_ms`` maps ``mean_ttft_ms``... to its value."""
+
+    doc: str
+    table: str
+    setting: str
+    nics: int | None
+    tp: int
+    qps: float
+    input_len: int
+    completed: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    total_token_throughput: float
+    metrics_ms: dict[str, float]
+
+    @property
+    def label(self) -> str:
+        link = {"rdma": f"rdma{self.nics}nic", "tcp": "tcp"}.get(self.setting, self.setting)
+        return f"{self.table} {link} tp{self.tp} q{self.qps:g} in{self.input_len}"
+
+    @property
+    def mean_input_len(self) -> int:
+        """The prompt length the simulator uses: the published mean (sonnet lengths vary)."""
+        return round(self.total_input_tokens / self.completed)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How a published row is simulated. ``cell`` is None when the engine cannot express it
+    (``unsupported`` says why); ``approximations`` name what is simulated only approximately."""
+
+    row: PublishedRow
+    cell: Cell | None
+    approximations: tuple[str, ...] = ()
+    unsupported: str | None = None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    setup: Setup
+    predicted_ms: dict[str, float] = field(default_factory=dict)
+    predicted_duration_s: float | None = None
+
+    def ratio(self, metric: str) -> float | None:
+        published = self.setup.row.metrics_ms[metric]
+        if metric not in self.predicted_ms or published <= 0:
+            return None
+        return self.predicted_ms[metric] / published
+
+
+def load_published(path: Path = PUBLISHED_CSV) -> list[PublishedRow]:
+    """Parse the published-numbers file (``#`` lines are the provenance header)."""
+    with path.open(newline="") as handle:
+        lines = [line for line in handle if not line.startswith("#")]
+    return [_row(record) for record in csv.DictReader(lines)]
+
+
+def _row(record: dict[str, str]) -> PublishedRow:
+    return PublishedRow(
+        doc=record["doc"],
+        table=record["table"],
+        setting=record["setting"],
+        nics=int(record["nics"]) if record["nics"] else None,
+        tp=int(record["tp"]),
+        qps=float(record["qps"]),
+        input_len=int(record["input_len"]),
+        completed=int(record["completed"]),
+        duration_s=float(record["duration_s"]),
+        total_input_tokens=int(record["total_input_tokens"]),
+        total_output_tokens=int(record["total_output_tokens"]),
+        request_throughput=float(record["request_throughput"]),
+        total_token_throughput=float(record["total_token_throughput"]),
+        metrics_ms={name: float(record[name]) for name in METRICS},
+    )
+
+
+def _mode(row: PublishedRow) -> ModeSpec:
+    modes = {
+        "nondisagg": MODES["single"],
+        "chunked": SINGLE_CHUNKED,
+        "rdma": MODES["mooncake-rdma"],
+        "tcp": MODES["mooncake-tcp"],
+    }
+    try:
+        return modes[row.setting]
+    except KeyError:
+        raise ValueError(f"{row.label}: unknown setting {row.setting!r}") from None
+
+
+def _gpus(tp: int, instances: int) -> tuple[tuple[int, ...], ...]:
+    """One GPU group per instance. Disaggregated instances ran on two nodes; distinct ids here
+    only keep the pins distinct (the simulator does not use them)."""
+    return tuple(tuple(range(i * tp, (i + 1) * tp)) for i in range(instances))
+
+
+CHUNKED_BUDGET_V062 = 512
+"""v0.1 ran vLLM 0.6.2 (mooncake-integration branch), whose chunked-prefill token budget is 512
+(2048 only from vLLM PR #10544, v0.6.5): ``max_num_batched_tokens`` of the v0.1 chunked row."""
+
+APPROXIMATIONS = {
+    "2nic": "2 RDMA NICs: engine.kv_link.nics = 2 doubles the wire bandwidth; the per-rank CPU "
+    "chain of the v0 connector, which dominates, is unchanged (docs/engine-model.md)",
+}
+"""Codes (printed per row) of what a setup can only approximate, and what each means."""
+
+
+def _approximations(row: PublishedRow) -> tuple[str, ...]:
+    return ("2nic",) if row.nics == 2 else ()
+
+
+def _serving(row: PublishedRow) -> Serving:
+    """The doc commands' flags: the Dec 2024 v0.2 doc required ``--enforce-eager`` with TP
+    (spec §2.2), and v0.1's chunked row ran vLLM 0.6.2's 512-token budget."""
+    budget = CHUNKED_BUDGET_V062 if row.doc == "v0.1" and row.setting == "chunked" else None
+    return Serving(
+        MAX_MODEL_LEN,
+        GPU_MEMORY_UTILIZATION[row.doc],
+        max_num_batched_tokens=budget,
+        enforce_eager=row.doc == "v0.2" and row.tp > 1,
+    )
+
+
+def _engine(row: PublishedRow) -> dict[str, object]:
+    engine: dict[str, object] = {"gpu": GPU}
+    if row.nics == 2:
+        engine["kv_link"] = {"nics": 2}
+    return engine
+
+
+def setup_for(row: PublishedRow) -> Setup:
+    """The servebench cell of one published row."""
+    mode = _mode(row)
+    model = ModelSpec(
+        name=MODEL.name,
+        hf_id=MODEL.hf_id,
+        architecture=MODEL.architecture,
+        quantization=MODEL.quantization,
+        tensor_parallel=row.tp,
+        gpus=_gpus(row.tp, mode.instances),
+    )
+    workload = Workload(
+        qps=row.qps,
+        input_len=row.mean_input_len,
+        output_len=OUTPUT_LEN,
+        num_prompts=row.completed,
+        seed=SEED,
+        dataset="sonnet",
+        burstiness=1.0,
+        warmup_requests=1,
+    )
+    cell = Cell(
+        backend="simulator",
+        recipe=RECIPE,
+        model=model,
+        mode=mode,
+        workload=workload,
+        serving=_serving(row),
+        engine=_engine(row),
+    )
+    return Setup(row, cell, _approximations(row))
+
+
+def predict(cell: Cell) -> CellMetrics:
+    """Simulate one cell and compute the client's metrics from its trace."""
+    result = simulate(cell)
+    return compute(to_table(identity(cell), result.records, {}))
+
+
+def compare(setups: Iterable[Setup]) -> list[Comparison]:
+    """Simulate every configurable setup once (identical cells share one simulation)."""
+    cache: dict[str, CellMetrics] = {}
+    comparisons = []
+    for setup in setups:
+        if setup.cell is None:
+            comparisons.append(Comparison(setup))
+            continue
+        key = json.dumps(setup.cell.to_dict(), sort_keys=True)
+        if key not in cache:
+            cache[key] = predict(setup.cell)
+        metrics = cache[key]
+        predicted = {name: getattr(metrics, name) for name in METRICS}
+        comparisons.append(Comparison(setup, predicted, metrics.duration_s))
+    return comparisons
+
+
+def in_band(ratio: float | None) -> bool:
+    return ratio is not None and BAND[0] <= ratio <= BAND[1]
+
+
+def _number(value: float) -> str:
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.1f}"
+
+
+def _ratio_text(ratio: float | None) -> str:
+    if ratio is None:
+        return "  -  "
+    return f"{ratio:5.2f}{' ' if in_band(ratio) else '!'}"
+
+
+def format_family(comparisons: Sequence[Comparison], family: str) -> list[str]:
+    """One line per published row: predicted, published and ratio of mean/median/P99."""
+    width = max(len(c.setup.row.label) for c in comparisons)
+    head = f"{'row':<{width}} |" + "|".join(f" {stat:>6} pred {'publ':>6} ratio " for stat in STATS)
+    lines = [f"== {family.upper()} (ms): predicted, published, ratio (! = outside band)", head]
+    for comparison in comparisons:
+        row = comparison.setup.row
+        if comparison.setup.cell is None:
+            lines.append(f"{row.label:<{width}} | not simulated: {comparison.setup.unsupported}")
+            continue
+        parts = []
+        for stat in STATS:
+            metric = f"{stat}_{family}_ms"
+            predicted = _number(comparison.predicted_ms[metric])
+            published = _number(row.metrics_ms[metric])
+            parts.append(f" {predicted:>11} {published:>6} {_ratio_text(comparison.ratio(metric))}")
+        mark = " ~" if comparison.setup.approximations else ""
+        lines.append(f"{row.label:<{width}} |" + "|".join(parts) + mark)
+    return lines
+
+
+def format_setups(comparisons: Sequence[Comparison]) -> list[str]:
+    """The configured cell of each row, with the benchmark duration as a saturation check."""
+    width = max(len(c.setup.row.label) for c in comparisons)
+    lines = [
+        "== Setups (Qwen2.5-7B-Instruct-GPTQ-Int4, A10-24GB, recipe v0, out 6, 200 prompts, "
+        "seed 0); duration s predicted / published",
+        f"{'row':<{width}} | {'mode':<14} inst  tp   in  gmu  {'dur pred/publ':>14}  notes",
+    ]
+    for comparison in comparisons:
+        setup, row = comparison.setup, comparison.setup.row
+        if setup.cell is None:
+            lines.append(f"{row.label:<{width}} | not simulated: {setup.unsupported}")
+            continue
+        cell = setup.cell
+        duration = f"{comparison.predicted_duration_s:.1f}/{row.duration_s:.1f}"
+        lines.append(
+            f"{row.label:<{width}} | {cell.mode.name:<14} {cell.mode.instances:>4} "
+            f"{cell.model.tensor_parallel:>3} {cell.workload.input_len:>4} "
+            f"{cell.serving.gpu_memory_utilization:>4} {duration:>14}  "
+            + ",".join(setup.approximations)
+        )
+    lines += [f"  ~{code}: {text}" for code, text in APPROXIMATIONS.items()]
+    return lines
+
+
+def format_counts(comparisons: Sequence[Comparison]) -> list[str]:
+    """How many ratios fall in the band: overall, per metric, and on exactly-configured rows."""
+    simulated = [c for c in comparisons if c.setup.cell is not None]
+    exact = [c for c in simulated if not c.setup.approximations]
+
+    def count(subset: Sequence[Comparison], metrics: Sequence[str]) -> str:
+        ratios = [c.ratio(m) for c in subset for m in metrics]
+        ratios = [r for r in ratios if r is not None]
+        inside = sum(in_band(r) for r in ratios)
+        share = 100 * inside / len(ratios) if ratios else 0.0
+        return f"{inside}/{len(ratios)} ({share:.0f} %)"
+
+    low, high = BAND
+    lines = [
+        f"== Ratios predicted/published within {low}-{high}",
+        f"all {len(simulated)} simulated rows: {count(simulated, METRICS)}",
+        f"{len(exact)} rows without approximations (~): {count(exact, METRICS)}",
+        f"not simulated: {len(comparisons) - len(simulated)} rows",
+    ]
+    for metric in METRICS:
+        lines.append(f"  {metric:<16} {count(simulated, [metric])}")
+    for table in dict.fromkeys(c.setup.row.table for c in simulated):
+        rows = [c for c in simulated if c.setup.row.table == table]
+        lines.append(f"  table {table:<12} {count(rows, METRICS)}")
+    return lines
+
+
+def write_csv(comparisons: Sequence[Comparison], path: Path) -> None:
+    """Long format: one line per (row, metric) with predicted, published and ratio."""
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["row", "metric", "predicted", "published", "ratio", "approximations"])
+        for comparison in comparisons:
+            row = comparison.setup.row
+            for metric in METRICS:
+                ratio = comparison.ratio(metric)
+                writer.writerow(
+                    [
+                        row.label,
+                        metric,
+                        comparison.predicted_ms.get(metric, ""),
+                        row.metrics_ms[metric],
+                        "" if ratio is None else f"{ratio:.4f}",
+                        ",".join(comparison.setup.approximations),
+                    ]
+                )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--table", action="append", help="only this published table (repeatable)")
+    parser.add_argument("--csv", type=Path, help="also write the comparison here (long format)")
+    args = parser.parse_args(argv)
+    rows = load_published()
+    if args.table:
+        unknown = set(args.table) - {row.table for row in rows}
+        if unknown:
+            parser.error(f"unknown table(s) {sorted(unknown)}")
+        rows = [row for row in rows if row.table in args.table]
+    comparisons = compare(setup_for(row) for row in rows)
+    blocks = [format_setups(comparisons)]
+    blocks += [format_family(comparisons, family) for family in FAMILIES]
+    blocks.append(format_counts(comparisons))
+    print("\n\n".join("\n".join(block) for block in blocks))
+    if args.csv:
+        write_csv(comparisons, args.csv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""Step times from aiconfigurator-core's measured vLLM operator tables, tabulated once and cached.
+
+aiconfigurator predicts a step from measured GEMM/attention/communication tables, but a query costs
+0.01-0.5 ms, far too slow for the simulator's hot loop. So :func:`build_table` queries it once per
+(architecture, system, TP, quantization) on fixed grids and :class:`AicStepTime` interpolates.
+
+A step is decomposed the way aiconfigurator's own ``mixed_step_breakdown`` does it:
+
+- ``shared(T)``: every op but attention (GEMMs, norms, activation, all-reduce, logits), a function
+  of the total number of tokens ``T`` in the step only (checked: independent of how ``T`` splits
+  into prefill and decode tokens);
+- ``chunk_attn(c, p)``: prefill attention of one chunk of ``c`` new tokens over ``p`` cached ones,
+  taken from ``predict_prefill_latency(1, c + p, p) - shared(c)``. ``mixed_step_breakdown`` itself
+  ignores most of the prefix (512 new over 3,584 cached: 0.71 ms there vs 5.69 ms in the prefill
+  path, whose value matches the FLOP count), so the prefill path is the source;
+- ``decode_extra(B, ctx)``: ``predict_decode_latency(B, ctx) - shared(B)`` (decode attention plus
+  whatever the decode path adds), so a pure decode step reproduces aiconfigurator's decode exactly.
+
+A mixed step is ``shared(T) + Σ chunk_attn(c_i, p_i) + decode_extra(B, mean ctx)``: GEMMs are paid
+once for all tokens (a 1,024-token chunk with 32 decodes costs 63.5 ms on A100, against 60.0 + 12.0
+for separate steps). Summing per-chunk attention overestimates batched prefills slightly (two
+1,024-token prompts: 5.5 ms of attention vs 4.7 ms batched, < 1 % of the step).
+
+Weight-only quantization (AWQ, GPTQ): aiconfigurator has no int4/int8 weight-only GEMM tables for
+vLLM. The only measured weight-only GEMMs it ships are TRT-LLM 1.0.0's on a100_sxm, so each GEMM op
+of the vLLM bf16 table is scaled by TRT-LLM's measured ``int*_wo / bf16`` ratio for the same op and
+token count (≈0.3-0.6 at small batch where weight streaming dominates, ≈1.03-1.05 at thousands of
+tokens where dequantisation costs). The ratio comes from A100 for every GPU: an approximation on
+H100/H200, stated in the source label.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from servebench.engine.architecture import Architecture, architecture_dir, load_architecture
+from servebench.engine.steptime import StepBatch, StepTimeModel
+
+logger = logging.getLogger(__name__)
+
+AIC_VERSION = version("aiconfigurator-core")
+TABLE_FORMAT = 1  # bump when the grids or the decomposition change: invalidates every cache entry
+
+SYSTEMS: dict[str, str] = {
+    "A100-SXM4-80GB": "a100_sxm",
+    "H100-SXM5-80GB": "h100_sxm",
+    "H200-SXM-141GB": "h200_sxm",
+}
+WEIGHT_ONLY: dict[str, str] = {"awq": "int4_wo", "gptq-int4": "int4_wo", "gptq-int8": "int8_wo"}
+WEIGHT_ONLY_SOURCE = ("a100_sxm", "trtllm")  # the only system/framework with measured *_wo GEMMs
+LLAMA_SHAPED = {"CohereForCausalLM", "Cohere2ForCausalLM"}
+
+
+def _grid(lo: int, hi: int, per_octave: int, dense_to: int = 16) -> np.ndarray:
+    """Integers ``lo..dense_to`` one by one, then ``per_octave`` log-spaced points up to ``hi``."""
+    octaves = np.log2(hi / dense_to)
+    logspaced = np.geomspace(dense_to, hi, round(octaves * per_octave) + 1)
+    return np.unique(np.concatenate([np.arange(lo, dense_to + 1), np.rint(logspaced)])).astype(
+        np.int64
+    )
+
+
+TOKENS = _grid(1, 32768, 8)  # shared(T): T = tokens in the step
+CHUNK_NEW = _grid(1, 32768, 4, dense_to=8)
+CHUNK_PAST = _grid(0, 65536, 3, dense_to=8)
+DECODE_BATCH = _grid(1, 1024, 6)
+DECODE_CONTEXT = _grid(1, 65536, 4, dense_to=8)
+
+
+class AicUnsupportedError(ValueError):
+    """aiconfigurator cannot predict this combination; the reason is meant for the source label."""
+
+
+@dataclass(frozen=True)
+class AicQuery:
+    """What one table is built from: the HF config handed to aiconfigurator and how to run it."""
+
+    config: dict[str, Any]
+    system: str
+    tp: int
+    quantization: str
+    approximations: tuple[str, ...]
+
+    @property
+    def gemm_quant_mode(self) -> str | None:
+        return "fp8" if self.quantization == "fp8" else None
+
+    @property
+    def weight_only_mode(self) -> str | None:
+        return WEIGHT_ONLY.get(self.quantization)
+
+    @property
+    def cache_key(self) -> str:
+        grids = [g.tolist() for g in (TOKENS, CHUNK_NEW, CHUNK_PAST, DECODE_BATCH, DECODE_CONTEXT)]
+        payload = [TABLE_FORMAT, self.config, self.system, self.tp, self.quantization, AIC_VERSION]
+        payload.append(grids)
+        digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+        return f"{self.system}-tp{self.tp}-{self.quantization}-{digest}"
+
+    @property
+    def label(self) -> str:
+        base = f"aiconfigurator-core {AIC_VERSION} {self.system} vllm"
+        return "; ".join([base, *self.approximations])
+
+
+def llama_shaped(config: dict[str, Any]) -> dict[str, Any]:
+    """A Llama config with the same dimensions, for architectures aiconfigurator rejects."""
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+        "rope_theta",
+        "tie_word_embeddings",
+        "torch_dtype",
+    )
+    shaped = {k: config[k] for k in keys if k in config}
+    shaped.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu")
+    shaped["rms_norm_eps"] = config.get("layer_norm_eps", 1e-5)
+    return shaped
+
+
+def aic_query(arch: Architecture, gpu: str, tp: int, quantization: str) -> AicQuery:
+    """Map a servebench setup to an aiconfigurator query, or say why there is none."""
+    system = SYSTEMS.get(gpu)
+    if system is None:
+        raise AicUnsupportedError(f"aiconfigurator has no system file for {gpu}")
+    if quantization == "fp8" and system == "a100_sxm":
+        raise AicUnsupportedError("fp8 on A100 (no FP8 tensor cores; aiconfigurator has no data)")
+    if quantization not in ("bf16", "fp8", *WEIGHT_ONLY):
+        raise AicUnsupportedError(f"quantization {quantization!r} unknown to the table builder")
+    config = json.loads((architecture_dir(arch.name) / "config.json").read_text())
+    approximations: list[str] = []
+    if arch.hf_architecture in LLAMA_SHAPED:
+        config = llama_shaped(config)
+        ignored = "parallel attention+MLP block, LayerNorm"
+        if arch.hf_architecture == "Cohere2ForCausalLM":
+            ignored += ", sliding-window attention in 3 of 4 layers"
+        approximations.append(
+            f"approximation: {arch.hf_architecture} as Llama of the same dimensions "
+            f"(ignores {ignored})"
+        )
+    if quantization in WEIGHT_ONLY:
+        mode = WEIGHT_ONLY[quantization]
+        approximations.append(
+            f"{quantization} as {mode} GEMM ratio from a100_sxm trtllm tables (approximation)"
+        )
+    return AicQuery(config, system, tp, quantization, tuple(approximations))
+
+
+@contextmanager
+def _aic_logs_to_debug() -> Iterator[None]:
+    """Route aiconfigurator's warnings (low-fidelity fallback rows, lane order) to DEBUG here."""
+    aic_logger = logging.getLogger("aiconfigurator_core")
+
+    class Forward(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logger.debug("aiconfigurator: %s", record.getMessage())
+
+    handler, propagate = Forward(), aic_logger.propagate
+    aic_logger.addHandler(handler)
+    aic_logger.propagate = False
+    try:
+        yield
+    finally:
+        aic_logger.removeHandler(handler)
+        aic_logger.propagate = propagate
+
+
+def _compile(query: AicQuery, backend: str, gemm_quant_mode: str | None) -> Any:
+    from aiconfigurator_core.sdk.engine import EngineHandle
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        (Path(model_dir) / "config.json").write_text(json.dumps(query.config))
+        return EngineHandle.compile(
+            model_dir, query.system, backend, tp_size=query.tp, gemm_quant_mode=gemm_quant_mode
+        )
+
+
+def _gemm_ms(handle: Any, tokens: int) -> dict[str, float]:
+    ops = handle.mixed_step_breakdown_per_op(tokens, 0, tokens, 2)[0]
+    return {name: ms for name, ms, _, _ in ops if name.endswith("_gemm")}
+
+
+def _weight_only_delta(vllm: Any, query: AicQuery, mode: str) -> np.ndarray:
+    """Per T: Σ over GEMM ops of vLLM bf16 time × (TRT-LLM *_wo / bf16 − 1)."""
+    system, backend = WEIGHT_ONLY_SOURCE
+    source = AicQuery(query.config, system, query.tp, "bf16", ())
+    bf16, quant = _compile(source, backend, None), _compile(source, backend, mode)
+    deltas = []
+    for t in TOKENS:
+        base, ref, wo = _gemm_ms(vllm, t), _gemm_ms(bf16, t), _gemm_ms(quant, t)
+        deltas.append(sum(ms * (wo[op] / ref[op] - 1.0) for op, ms in base.items()))
+    return np.array(deltas)
+
+
+@dataclass(frozen=True)
+class StepTable:
+    """The tabulated step-time components (ms) on the module's grids, plus their source label."""
+
+    shared_ms: np.ndarray  # over TOKENS
+    chunk_attn_ms: np.ndarray  # CHUNK_NEW × CHUNK_PAST
+    decode_extra_ms: np.ndarray  # DECODE_BATCH × DECODE_CONTEXT
+    label: str
+
+    def save(self, path: Path) -> None:
+        """Write atomically: a concurrent reader sees the old file or the whole new one."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                np.savez(
+                    out,
+                    shared_ms=self.shared_ms,
+                    chunk_attn_ms=self.chunk_attn_ms,
+                    decode_extra_ms=self.decode_extra_ms,
+                    label=np.array(self.label),
+                )
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: Path) -> StepTable:
+        with np.load(path) as data:
+            return cls(
+                data["shared_ms"],
+                data["chunk_attn_ms"],
+                data["decode_extra_ms"],
+                str(data["label"]),
+            )
+
+
+def build_table(query: AicQuery) -> StepTable:
+    """Query aiconfigurator on every grid point (≈1-3 s for one table)."""
+    from aiconfigurator_core.sdk.errors import PerfDataNotAvailableError
+
+    try:
+        with _aic_logs_to_debug():
+            return _query_grids(query)
+    except (AssertionError, ValueError, PerfDataNotAvailableError) as error:
+        raise AicUnsupportedError(f"aiconfigurator rejects it: {error}".strip()) from error
+
+
+def _shared(handle: Any, tokens: int) -> float:
+    return handle.mixed_step_breakdown(tokens, 0, tokens, 2)[1]
+
+
+def _query_grids(query: AicQuery) -> StepTable:
+    handle = _compile(query, "vllm", query.gemm_quant_mode)
+    shared = np.array([_shared(handle, t) for t in TOKENS])
+    chunk = np.array(
+        [
+            [handle.predict_prefill_latency(1, c + p, p) - _shared(handle, c) for p in CHUNK_PAST]
+            for c in CHUNK_NEW
+        ]
+    )
+    decode = np.array(
+        [
+            [handle.predict_decode_latency(b, ctx) - _shared(handle, b) for ctx in DECODE_CONTEXT]
+            for b in DECODE_BATCH
+        ]
+    )
+    if query.weight_only_mode:
+        shared = shared + _weight_only_delta(handle, query, query.weight_only_mode)
+    return StepTable(shared, chunk, decode, query.label)
+
+
+def cache_dir() -> Path:
+    """``$SERVEBENCH_CACHE/steptime``, by default ``~/.cache/servebench/steptime``."""
+    root = os.environ.get("SERVEBENCH_CACHE") or Path.home() / ".cache" / "servebench"
+    return Path(root) / "steptime"
+
+
+def load_or_build_table(query: AicQuery, directory: Path | None = None) -> StepTable:
+    path = (directory or cache_dir()) / f"{query.cache_key}.npz"
+    if path.is_file():
+        return StepTable.load(path)
+    table = build_table(query)
+    table.save(path)
+    return table
+
+
+class _Axis:
+    """O(1) lookup of the grid segment holding an integer, for piecewise-linear interpolation.
+
+    ``segment[x]`` is precomputed for every integer up to the last grid point; beyond it, the last
+    segment extrapolates linearly.
+    """
+
+    def __init__(self, points: np.ndarray):
+        self.points = points.tolist()
+        self.last = len(self.points) - 2
+        self.max = self.points[-1]
+        index = np.searchsorted(points, np.arange(self.max + 1), side="right") - 1
+        self.segment = np.clip(index, 0, self.last).tolist()
+        self.inv_span = (1.0 / np.diff(points)).tolist()
+
+    def locate(self, x: int) -> tuple[int, float]:
+        i = self.segment[x] if 0 <= x <= self.max else (0 if x < 0 else self.last)
+        return i, (x - self.points[i]) * self.inv_span[i]
+
+
+class _Bilinear:
+    def __init__(self, rows: np.ndarray, cols: np.ndarray, values: np.ndarray):
+        self.rows, self.cols = _Axis(rows), _Axis(cols)
+        self.values = values.tolist()
+
+    def __call__(self, row: int, col: int) -> float:
+        i, u = self.rows.locate(row)
+        j, v = self.cols.locate(col)
+        top, bottom = self.values[i], self.values[i + 1]
+        upper = top[j] + (top[j + 1] - top[j]) * v
+        lower = bottom[j] + (bottom[j + 1] - bottom[j]) * v
+        return upper + (lower - upper) * u
+
+
+class AicStepTime:
+    """:class:`StepTimeModel` interpolating aiconfigurator's vLLM predictions (see module doc)."""
+
+    def __init__(
+        self,
+        arch: Architecture,
+        gpu: str,
+        tp: int,
+        quantization: str,
+        directory: Path | None = None,
+    ):
+        table = load_or_build_table(aic_query(arch, gpu, tp, quantization), directory)
+        self.label = table.label
+        self._shared = np.interp(np.arange(TOKENS[-1] + 1), TOKENS, table.shared_ms).tolist()
+        self._shared_slope = float(
+            (table.shared_ms[-1] - table.shared_ms[-2]) / (TOKENS[-1] - TOKENS[-2])
+        )
+        self._chunk_attn = _Bilinear(CHUNK_NEW, CHUNK_PAST, table.chunk_attn_ms)
+        self._decode_extra = _Bilinear(DECODE_BATCH, DECODE_CONTEXT, table.decode_extra_ms)
+
+    def _shared_ms(self, tokens: int) -> float:
+        last = len(self._shared) - 1
+        if tokens <= last:
+            return self._shared[tokens]
+        return self._shared[last] + self._shared_slope * (tokens - last)
+
+    def step_ms(self, batch: StepBatch) -> float:
+        tokens = len(batch.decode_contexts)
+        ms = 0.0
+        for new, past in batch.prefill_chunks:
+            tokens += new
+            ms += self._chunk_attn(new, past)
+        if batch.decode_contexts:
+            size = len(batch.decode_contexts)
+            ms += self._decode_extra(size, sum(batch.decode_contexts) // size)
+        return ms + self._shared_ms(tokens)
+
+
+def _roofline(arch: Architecture, gpu: str, tp: int, quantization: str) -> StepTimeModel:
+    from servebench.engine.hardware import gpu_spec
+    from servebench.engine.roofline import RooflineStepTime
+
+    return RooflineStepTime(arch, gpu_spec(gpu), tp, quantization)
+
+
+def select_step_time_model(
+    arch_name: str,
+    gpu: str,
+    tp: int,
+    quantization: str,
+    roofline: Callable[[Architecture, str, int, str], StepTimeModel] = _roofline,
+) -> tuple[StepTimeModel, str]:
+    """aiconfigurator's tables where they cover the setup, else the roofline; with its label."""
+    arch = load_architecture(arch_name)
+    try:
+        model = AicStepTime(arch, gpu, tp, quantization)
+    except AicUnsupportedError as why:
+        return roofline(arch, gpu, tp, quantization), f"roofline ({why})"
+    return model, model.label

@@ -1,0 +1,196 @@
+"""One engine instance: scheduler + KV pool + step-time model + jitter, with no clock.
+
+The caller owns time. It adds requests when they arrive, calls :meth:`EngineInstance.step`
+when the instance is idle and has work, and treats the returned tokens as produced
+``duration_s`` later. The simulator advances a virtual clock by that duration; the emulator
+sleeps for it. Both therefore run the very same engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from servebench.engine.scheduler import Request, Scheduler
+from servebench.engine.steptime import StepBatch, StepTimeModel
+
+JITTER_BLOCK = 4096
+STEP_CACHE_ENTRIES = 1 << 16
+"""Step times are memoised per batch shape (fixed-length workloads repeat shapes); the cache
+is dropped when it grows past this many shapes so long runs stay bounded in memory."""
+
+
+STRAGGLER_MEAN_EXTRA = 1.0
+"""A straggling step takes (1 + Exp(mean 1)) times its duration: on average twice as long."""
+
+
+class Jitter:
+    """Seeded multiplicative step-time noise: lognormal with mean 1 and the given CV, times a
+    rare straggler factor (a step hit by a host hiccup: Python garbage collection in the engine
+    process, which vLLM V1 works around with ``gc.freeze``, OS scheduling, a slow sampler
+    synchronisation) with probability ``straggler_probability``.
+
+    Draws are made in blocks so a step costs one list index; ``cv == 0`` gives exactly 1 and
+    no stragglers (the deterministic mode of the tests).
+    """
+
+    def __init__(
+        self, cv: float, seed: int | np.random.SeedSequence, straggler_probability: float = 0.0
+    ):
+        if cv < 0:
+            raise ValueError(f"jitter_cv must be >= 0, got {cv}")
+        if not 0 <= straggler_probability < 1:
+            raise ValueError(
+                f"straggler_probability must be in [0, 1), got {straggler_probability}"
+            )
+        self.cv = cv
+        self.straggler_probability = straggler_probability if cv else 0.0
+        sigma2 = float(np.log1p(cv * cv))
+        self._sigma = sigma2**0.5
+        self._mu = -sigma2 / 2
+        self._rng = np.random.default_rng(seed)
+        self._block: list[float] = []
+        self._next = 0
+
+    def factor(self) -> float:
+        if self.cv == 0:
+            return 1.0
+        if self._next >= len(self._block):
+            self._refill()
+        value = self._block[self._next]
+        self._next += 1
+        return value
+
+    def peek(self, count: int) -> list[float]:
+        """The next ``count`` factors without consuming them (see :meth:`skip`)."""
+        if self.cv == 0:
+            return [1.0] * count
+        while len(self._block) - self._next < count:
+            self._block = self._block[self._next :] + self._draw()
+            self._next = 0
+        return self._block[self._next : self._next + count]
+
+    def skip(self, count: int) -> None:
+        """Consume ``count`` factors, as ``count`` calls of :meth:`factor` would."""
+        if self.cv:
+            self._next += count
+
+    def _refill(self) -> None:
+        self._block = self._draw()
+        self._next = 0
+
+    def _draw(self) -> list[float]:
+        rng = self._rng
+        factors = rng.lognormal(self._mu, self._sigma, JITTER_BLOCK)
+        if self.straggler_probability:
+            hit = rng.random(JITTER_BLOCK) < self.straggler_probability
+            factors[hit] *= 1.0 + rng.exponential(STRAGGLER_MEAN_EXTRA, int(hit.sum()))
+        return factors.tolist()
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step did. Its tokens exist ``duration_s`` after the step started."""
+
+    duration_s: float
+    emitted: list[Request]
+    finished: list[Request]
+    num_preempted: int
+    num_received: int = 0
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """Several consecutive pure-decode steps: every request in ``requests`` emitted one token
+    at each offset of ``step_ends_s`` (seconds after the run started)."""
+
+    step_ends_s: list[float]
+    requests: list[Request]
+    finished: list[Request]
+
+
+class EngineInstance:
+    """A vLLM instance as a state machine: ``add_request`` any time, ``step`` when idle."""
+
+    def __init__(self, scheduler: Scheduler, step_time: StepTimeModel, jitter: Jitter):
+        self.scheduler = scheduler
+        self.step_time = step_time
+        self.jitter = jitter
+        self._cache: dict[StepBatch, float] = {}
+        self._decode_cache: dict[tuple[int, ...], float] = {}  # pure-decode batches by contexts
+        self.steps = 0
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def decode_run(self, horizon_s: float) -> DecodeRun | None:
+        """Run consecutive pure-decode steps while each starts before ``horizon_s`` (the time
+        to the caller's next event, which could change the batch); None when the next step is
+        not a pure decode of every running request. Same result as calling :meth:`step` that
+        many times, at a fraction of the cost."""
+        scheduler = self.scheduler
+        max_steps = scheduler.decode_run_length()
+        if max_steps < 2:
+            return None
+        requests = list(scheduler.running)
+        contexts = [r.num_computed + 1 for r in requests]
+        cache, model = self._decode_cache, self.step_time
+        if len(cache) >= STEP_CACHE_ENTRIES:
+            cache.clear()
+        ends: list[float] = []
+        elapsed_ms = 0.0
+        horizon_ms = horizon_s * 1e3
+        for offset, factor in enumerate(self.jitter.peek(max_steps)):
+            if elapsed_ms >= horizon_ms:
+                break
+            key = tuple([c + offset for c in contexts])
+            base_ms = cache.get(key)
+            if base_ms is None:
+                base_ms = cache[key] = model.step_ms(StepBatch((), key))
+            elapsed_ms += base_ms * factor
+            ends.append(elapsed_ms * 1e-3)
+        self.jitter.skip(len(ends))
+        finished = scheduler.advance_decodes(len(ends))
+        self.steps += len(ends)
+        return DecodeRun(ends, requests, finished)
+
+    def step(self, producer_busy: bool = False) -> StepResult:
+        """Schedule and run one step; the caller must only call it when :meth:`has_work`.
+        ``producer_busy``: a V0 KV producer is mid-step, so receives take their contended time."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.requests:
+            raise RuntimeError(
+                "the scheduler could not schedule any request although some are waiting "
+                "(a prompt larger than the KV pool above its watermark?)"
+            )
+        prefills: list[tuple[int, int]] = []
+        decodes: list[int] = []
+        receive_ms = 0.0
+        received = 0
+        for request, new in zip(scheduled.requests, scheduled.new_tokens, strict=True):
+            if request.receive_ms:
+                # V0 KV consumer: the prompt's KV arrives inside the forward pass instead of
+                # being computed; only the last position's logits are left to compute.
+                receive_ms += request.receive_contended_ms if producer_busy else request.receive_ms
+                request.receive_ms = 0.0
+                received += 1
+                decodes.append(request.num_computed + new)
+            elif new == 1 and request.num_generated:
+                decodes.append(request.num_computed + 1)
+            else:
+                prefills.append((new, request.num_computed))
+        batch = StepBatch(tuple(prefills), tuple(decodes))
+        base_ms = self._cache.get(batch)
+        if base_ms is None:
+            base_ms = self.step_time.step_ms(batch)
+            if len(self._cache) >= STEP_CACHE_ENTRIES:
+                self._cache.clear()
+            self._cache[batch] = base_ms
+        emitted, finished = self.scheduler.complete(scheduled)
+        self.steps += 1
+        duration_s = (base_ms * self.jitter.factor() + receive_ms) * 1e-3
+        return StepResult(duration_s, emitted, finished, len(scheduled.preempted), received)

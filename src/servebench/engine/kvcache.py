@@ -1,0 +1,175 @@
+"""The paged KV cache of one instance: how many blocks fit, and a pool that hands them out.
+
+vLLM sizes its cache at start-up: of ``gpu_memory_utilization × total memory`` per GPU it
+subtracts the weights of that GPU's tensor-parallel shard and the peak activation memory of a
+profiling forward pass, and divides the rest into blocks of ``block_size`` tokens
+(``vllm/worker/worker.py:determine_num_available_blocks`` in V0, ``gpu_worker.py`` in V1). The
+pool is a counter, not a list of block objects: the scheduler only needs to know whether a
+request's next tokens fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from servebench.engine.architecture import Architecture
+from servebench.engine.hardware import GIB, GpuSpec
+
+BLOCK_SIZE_TOKENS = 16
+"""vLLM's default ``--block-size`` on CUDA (V0 and V1)."""
+
+RUNTIME_RESERVE_GIB = 1.0
+"""CUDA context, cuBLAS workspaces and allocator fragmentation that vLLM counts as "non-torch"
+memory, per GPU (about 0.5-1 GiB in vLLM's start-up log; approximate)."""
+
+TP_RESERVE_GIB = 0.5
+"""NCCL and custom all-reduce buffers per GPU when TP > 1 (approximate)."""
+
+CUDA_GRAPH_RESERVE_GIB = 0.5
+"""CUDA graphs captured for decode batch sizes 1..512 (vLLM logs 0.3-1 GiB; approximate)."""
+
+ACTIVATION_COPIES = 4
+"""Hidden-sized activation buffers live at the peak of a forward pass (residual, normed input,
+attention output, MLP output); the MLP's gate/up output is counted separately."""
+
+
+class ModelDoesNotFitError(RuntimeError):
+    """The configuration cannot serve the model (vLLM fails at start-up the same way)."""
+
+
+@dataclass(frozen=True)
+class KvMemoryPlan:
+    """Per-GPU memory budget of one instance (GiB) and the block count that results."""
+
+    total_gib: float
+    usable_gib: float
+    weights_gib: float
+    activation_gib: float
+    kv_cache_gib: float
+    kv_bytes_per_token_per_gpu: float
+    block_size_tokens: int
+    num_blocks: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size_tokens
+
+
+def kv_bytes_per_token_per_gpu(arch: Architecture, tp: int, dtype_bytes: int = 2) -> float:
+    """K and V of one token on one GPU: KV heads are split across TP ranks, or replicated when
+    there are fewer KV heads than ranks (vLLM replicates them)."""
+    heads_per_gpu = max(arch.num_kv_heads / tp, 1.0)
+    return 2 * arch.num_layers * heads_per_gpu * arch.head_dim * dtype_bytes
+
+
+def activation_bytes_per_gpu(
+    arch: Architecture, tp: int, max_num_batched_tokens: int, max_num_seqs: int
+) -> float:
+    """Peak activation memory of vLLM's profiling run: a forward pass of
+    ``max_num_batched_tokens`` tokens over ``max_num_seqs`` sequences, fp32 logits for each."""
+    per_token = 2 * (
+        ACTIVATION_COPIES * arch.hidden_size + 3 * arch.intermediate_size / tp
+    )  # bf16: hidden buffers + gate/up output (2I/tp) + activation output (I/tp)
+    logits = max_num_seqs * arch.vocab_size * 4
+    return max_num_batched_tokens * per_token + logits
+
+
+def plan_kv_memory(
+    *,
+    model_label: str,
+    arch: Architecture,
+    weight_bytes: float,
+    gpu: GpuSpec,
+    tp: int,
+    gpu_memory_utilization: float,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+) -> KvMemoryPlan:
+    """Size the KV pool of one instance; raise :class:`ModelDoesNotFitError` like vLLM would."""
+    usable = gpu.memory_bytes * gpu_memory_utilization
+    weights = weight_bytes / tp
+    reserve = (RUNTIME_RESERVE_GIB + CUDA_GRAPH_RESERVE_GIB) * GIB
+    if tp > 1:
+        reserve += TP_RESERVE_GIB * GIB
+    activation = activation_bytes_per_gpu(arch, tp, max_num_batched_tokens, max_num_seqs)
+    if weights + reserve > usable:
+        raise ModelDoesNotFitError(
+            f"{model_label} needs {weights / GIB:.1f} GiB of weights per GPU at TP {tp} but only "
+            f"{(usable - reserve) / GIB:.1f} GiB are available on {gpu.name} at "
+            f"gpu_memory_utilization {gpu_memory_utilization} "
+            f"({usable / GIB:.1f} GiB usable, {reserve / GIB:.1f} GiB runtime reserve); "
+            "use more tensor parallelism, a quantized variant or a larger GPU"
+        )
+    kv_bytes = usable - weights - reserve - activation
+    per_token = kv_bytes_per_token_per_gpu(arch, tp)
+    num_blocks = math.floor(max(kv_bytes, 0.0) / (per_token * BLOCK_SIZE_TOKENS))
+    if num_blocks <= 0:
+        # vLLM V0: "No available memory for the cache blocks. Try increasing
+        # `gpu_memory_utilization` when initializing the engine."
+        raise ModelDoesNotFitError(
+            f"{model_label} on {gpu.name} at TP {tp}: no available memory for the cache blocks "
+            f"({weights / GIB:.1f} GiB weights + {activation / GIB:.1f} GiB activations + "
+            f"{reserve / GIB:.1f} GiB reserve of {usable / GIB:.1f} GiB usable). "
+            "Try increasing gpu_memory_utilization when initializing the engine."
+        )
+    capacity = num_blocks * BLOCK_SIZE_TOKENS
+    if capacity < max_model_len:
+        raise ModelDoesNotFitError(
+            f"{model_label} on {gpu.name} at TP {tp}: the model's max seq len ({max_model_len}) "
+            "is larger than the maximum number of tokens that can be stored in KV cache "
+            f"({capacity}). Try increasing gpu_memory_utilization or decreasing max_model_len "
+            "when initializing the engine."
+        )
+    return KvMemoryPlan(
+        total_gib=gpu.memory_gib,
+        usable_gib=usable / GIB,
+        weights_gib=weights / GIB,
+        activation_gib=activation / GIB,
+        kv_cache_gib=kv_bytes / GIB,
+        kv_bytes_per_token_per_gpu=per_token,
+        block_size_tokens=BLOCK_SIZE_TOKENS,
+        num_blocks=num_blocks,
+    )
+
+
+class BlockPool:
+    """Free-block accounting of one instance; requests hold whole blocks.
+
+    ``watermark_blocks`` is kept free when admitting a new prompt (V0's
+    ``BlockSpaceManager`` watermark, 1 % of the pool; V1 has none).
+    """
+
+    __slots__ = ("block_size", "free_blocks", "num_blocks", "watermark_blocks")
+
+    def __init__(
+        self, num_blocks: int, block_size: int = BLOCK_SIZE_TOKENS, watermark: float = 0.0
+    ):
+        if num_blocks < 1:
+            raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.free_blocks = num_blocks
+        self.block_size = block_size
+        self.watermark_blocks = int(watermark * num_blocks)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def can_admit(self, blocks: int) -> bool:
+        """Whether a new prompt needing ``blocks`` may be admitted (respects the watermark)."""
+        return self.free_blocks - blocks >= self.watermark_blocks
+
+    def allocate(self, blocks: int) -> bool:
+        """Take ``blocks`` if they are free; False (and nothing taken) otherwise."""
+        if blocks > self.free_blocks:
+            return False
+        self.free_blocks -= blocks
+        return True
+
+    def free(self, blocks: int) -> None:
+        self.free_blocks += blocks
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - self.free_blocks

@@ -1,0 +1,331 @@
+"""vLLM-style continuous batching for one instance, in the V0 and V1 flavours; no clock.
+
+Token accounting follows V1 (and is equivalent for V0): a request has ``num_tokens`` = prompt +
+generated tokens and ``num_computed`` tokens whose KV is in the cache. A step gives it
+``n ≤ num_tokens − num_computed`` new tokens; when its computed tokens reach ``num_tokens`` the
+step samples one output token. A prefill is ``num_computed < num_tokens − 1`` or no token
+generated yet; a decode computes exactly the last generated token. Recompute preemption frees
+the blocks and sets ``num_computed`` to 0, so the request is prefilled again over prompt and
+generated tokens, as vLLM does.
+
+Policies (selected by the recipe, see :func:`scheduler_config`):
+
+* ``prefill_first`` (V0 without chunked prefill, ``Scheduler._schedule_default``): waiting
+  prompts are admitted whole, FCFS, within the token budget, ``max_num_seqs`` (running requests
+  count) and the KV blocks above a 1 % watermark; a step that admits any prompt runs prefills
+  only. Otherwise every running request decodes, preempting the most recently admitted request
+  when a decode needs a block that is not free.
+* ``decode_first`` (V1, and V0 with chunked prefill, ``_schedule_chunked_prefill``): one token
+  budget; running requests first in admission order (decodes and unfinished prefill chunks),
+  preempting from the back when blocks run out; then waiting requests FCFS while budget, seats
+  and blocks last. With ``chunked_prefill`` a prompt may be split to fill the budget; without it
+  a prompt that does not fit in what is left of the budget waits for the next step. V1 admits no
+  new request in a step that preempted one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from servebench.engine.kvcache import BlockPool
+
+V0_DEFAULT_WATERMARK = 0.01
+"""V0 ``CacheConfig``/``BlockSpaceManager`` watermark: 1 % of blocks stay free on admission."""
+
+V1_MIN_BATCHED_TOKENS = 2048
+"""``DEFAULT_MAX_NUM_BATCHED_TOKENS`` in vLLM (``vllm/utils``, "a balance between ITL and TTFT")."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str  # "prefill_first" | "decode_first"
+    chunked_prefill: bool
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    watermark: float
+    preempt_blocks_admission: bool  # V1: no admission in a step that preempted
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("prefill_first", "decode_first"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r}")
+        if self.policy == "prefill_first" and self.chunked_prefill:
+            raise ValueError("prefill_first is V0 without chunked prefill")
+
+
+def scheduler_config(
+    recipe: str,
+    chunked_prefill: bool | None,
+    max_model_len: int,
+    gpu_name: str,
+    max_num_batched_tokens: int | None = None,
+) -> SchedulerConfig:
+    """vLLM's defaults for an OpenAI API server of the recipe's generation.
+
+    * ``v0`` (vLLM 0.6.x ``SchedulerConfig``): chunked prefill off unless asked for (auto-on only
+      above max_model_len 32768); ``max_num_batched_tokens`` 2048 with chunked prefill, else
+      ``max(max_model_len, 2048)``; ``max_num_seqs`` 256; prefix caching off.
+    * ``v1`` (``EngineArgs._set_default_args_v1`` / ``get_batch_defaults``): chunked prefill on;
+      for the API server 8192 tokens and 1024 sequences on GPUs with ≥ 70 GiB that are not A100
+      (H100, H200), else 2048 and 256 (PR #17885 excludes A100). With chunked prefill off,
+      ``SchedulerConfig`` raises the budget to ``max(max_model_len, 2048)``.
+
+    ``max_num_batched_tokens`` overrides the budget (``--max-num-batched-tokens``); as in vLLM's
+    ``SchedulerConfig._verify_args``, without chunked prefill it may not be below
+    ``max_model_len``.
+    """
+    config = _default_scheduler_config(recipe, chunked_prefill, max_model_len, gpu_name)
+    if max_num_batched_tokens is None:
+        return config
+    if not config.chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than max_model_len "
+            f"({max_model_len}). This effectively limits the maximum sequence length to "
+            "max_num_batched_tokens and makes vLLM reject longer sequences. Please increase "
+            "max_num_batched_tokens or decrease max_model_len."
+        )
+    return replace(config, max_num_batched_tokens=max_num_batched_tokens)
+
+
+def _default_scheduler_config(
+    recipe: str, chunked_prefill: bool | None, max_model_len: int, gpu_name: str
+) -> SchedulerConfig:
+    if recipe == "v0":
+        chunked = bool(chunked_prefill) or (chunked_prefill is None and max_model_len > 32768)
+        budget = V1_MIN_BATCHED_TOKENS if chunked else max(max_model_len, V1_MIN_BATCHED_TOKENS)
+        return SchedulerConfig(
+            policy="decode_first" if chunked else "prefill_first",
+            chunked_prefill=chunked,
+            max_num_batched_tokens=budget,
+            max_num_seqs=256,
+            watermark=V0_DEFAULT_WATERMARK,
+            preempt_blocks_admission=False,
+        )
+    if recipe == "v1":
+        chunked = chunked_prefill is not False
+        large = gpu_name.startswith(("H100", "H200"))
+        budget, seqs = (8192, 1024) if large else (2048, 256)
+        if not chunked:
+            budget = max(max_model_len, budget)
+        return SchedulerConfig(
+            policy="decode_first",
+            chunked_prefill=chunked,
+            max_num_batched_tokens=budget,
+            max_num_seqs=seqs,
+            watermark=0.0,
+            preempt_blocks_admission=True,
+        )
+    raise ValueError(f"unknown recipe {recipe!r} (known: v0, v1)")
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request inside an instance. ``receive_ms`` > 0 marks a V0 KV consumer request whose
+    prompt KV is received inside the forward pass instead of computed; it takes
+    ``receive_contended_ms`` when the producer is busy (see ``EngineInstance.step``)."""
+
+    request_id: int
+    prompt_tokens: int
+    max_tokens: int
+    num_computed: int = 0
+    num_generated: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    receive_ms: float = 0.0
+    receive_contended_ms: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + self.num_generated
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """The requests of one step and how many new tokens each computes (parallel lists)."""
+
+    requests: list[Request] = field(default_factory=list)
+    new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    """Waiting and running queues of one instance over a :class:`BlockPool`."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool):
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        need = self.pool.blocks_for(request.prompt_tokens + request.max_tokens)
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"request {request.request_id} needs {need} KV blocks but the pool has "
+                f"{self.pool.num_blocks}"
+            )
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def schedule(self) -> ScheduledStep:
+        if self.config.policy == "prefill_first":
+            step = self._admit_whole_prompts()
+            if step.requests:
+                return step
+            return self._schedule_running(step, budget=self.config.max_num_batched_tokens)
+        step = self._schedule_running(ScheduledStep(), self.config.max_num_batched_tokens)
+        if not (step.preempted and self.config.preempt_blocks_admission):
+            self._admit_waiting(step)
+        return step
+
+    def complete(self, step: ScheduledStep) -> tuple[list[Request], list[Request]]:
+        """Apply a finished step: advance computed tokens, sample, free finished requests.
+
+        Returns (requests that emitted a token, requests that finished)."""
+        emitted: list[Request] = []
+        finished: list[Request] = []
+        for request, new in zip(step.requests, step.new_tokens, strict=True):
+            request.num_computed += new
+            if request.num_computed == request.prompt_tokens + request.num_generated:
+                request.num_generated += 1
+                emitted.append(request)
+                if request.num_generated >= request.max_tokens:
+                    finished.append(request)
+        if finished:
+            pool = self.pool
+            for request in finished:
+                pool.free(request.num_blocks)
+                request.num_blocks = 0
+            done = set(map(id, finished))
+            self.running = [r for r in self.running if id(r) not in done]
+        return emitted, finished
+
+    def decode_run_length(self) -> int:
+        """How many steps may run as pure decodes of every running request with nothing else to
+        decide: 0 unless nothing waits, all running requests are decoding and the KV blocks
+        they grow into are free; otherwise steps until the first of them finishes."""
+        if self.waiting or not self.running:
+            return 0
+        steps = 1 << 30
+        for request in self.running:
+            left = request.max_tokens - request.num_generated
+            if (
+                request.num_computed != request.prompt_tokens + request.num_generated - 1
+                or request.num_generated == 0
+            ):
+                return 0
+            if left < steps:
+                steps = left
+        pool = self.pool
+        extra = 0
+        for request in self.running:
+            extra += pool.blocks_for(request.num_computed + steps) - request.num_blocks
+        return steps if extra <= pool.free_blocks else 0
+
+    def advance_decodes(self, steps: int) -> list[Request]:
+        """Apply ``steps`` decode steps of every running request (after
+        :meth:`decode_run_length` allowed them); returns the requests that finished."""
+        pool = self.pool
+        finished = []
+        for request in self.running:
+            request.num_computed += steps
+            request.num_generated += steps
+            extra = pool.blocks_for(request.num_computed) - request.num_blocks
+            if extra > 0:
+                pool.allocate(extra)
+                request.num_blocks += extra
+            if request.num_generated >= request.max_tokens:
+                finished.append(request)
+        if finished:
+            for request in finished:
+                pool.free(request.num_blocks)
+                request.num_blocks = 0
+            self.running = [r for r in self.running if r.num_generated < r.max_tokens]
+        return finished
+
+    def _grow(self, request: Request, new_tokens: int) -> bool:
+        """Allocate the blocks ``request`` needs to hold ``new_tokens`` more tokens."""
+        pool = self.pool
+        extra = -(-(request.num_computed + new_tokens) // pool.block_size) - request.num_blocks
+        if extra <= 0:
+            return True
+        if pool.allocate(extra):
+            request.num_blocks += extra
+            return True
+        return False
+
+    def _preempt_last(self, step: ScheduledStep) -> Request:
+        victim = self.running.pop()
+        self.pool.free(victim.num_blocks)
+        victim.num_blocks = 0
+        victim.num_computed = 0
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        step.preempted.append(victim)
+        return victim
+
+    def _schedule_running(self, step: ScheduledStep, budget: int) -> ScheduledStep:
+        chunked = self.config.chunked_prefill
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            need = request.prompt_tokens + request.num_generated - request.num_computed
+            new = need if need <= budget else (budget if chunked else 0)
+            if new == 0:
+                break
+            while not self._grow(request, new):
+                if self._preempt_last(step) is request:
+                    return step
+            step.requests.append(request)
+            step.new_tokens.append(new)
+            budget -= new
+            i += 1
+        return step
+
+    def _admit_whole_prompts(self) -> ScheduledStep:
+        """V0 prefill admission: whole prompts, FCFS, budget, seats and the watermark."""
+        step = ScheduledStep()
+        config, pool, waiting = self.config, self.pool, self.waiting
+        budget = config.max_num_batched_tokens
+        seats = config.max_num_seqs - len(self.running)
+        while waiting and seats > 0:
+            request = waiting[0]
+            need = request.num_tokens - request.num_computed
+            blocks = pool.blocks_for(request.num_tokens) - request.num_blocks
+            if need > budget or not pool.can_admit(blocks):
+                break
+            pool.allocate(blocks)
+            request.num_blocks += blocks
+            waiting.popleft()
+            self.running.append(request)
+            step.requests.append(request)
+            step.new_tokens.append(need)
+            budget -= need
+            seats -= 1
+        return step
+
+    def _admit_waiting(self, step: ScheduledStep) -> None:
+        config, pool, waiting = self.config, self.pool, self.waiting
+        budget = config.max_num_batched_tokens - sum(step.new_tokens)
+        seats = config.max_num_seqs - len(self.running)
+        while waiting and seats > 0 and budget > 0:
+            request = waiting[0]
+            need = request.num_tokens - request.num_computed
+            if need > budget:
+                if not config.chunked_prefill:
+                    break
+                need = budget
+            blocks = pool.blocks_for(request.num_computed + need) - request.num_blocks
+            if not pool.can_admit(blocks):
+                break
+            pool.allocate(blocks)
+            request.num_blocks += blocks
+            waiting.popleft()
+            self.running.append(request)
+            step.requests.append(request)
+            step.new_tokens.append(need)
+            budget -= need
+            seats -= 1

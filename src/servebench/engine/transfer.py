@@ -1,0 +1,272 @@
+"""Prefill → decode KV transfer and the proxy hop, clock-agnostic like the engine.
+
+Two generations move KV differently (docs/engine-model.md, "KV transfer"):
+
+* ``v0`` (vLLM ≤ 0.8 ``SimpleConnector`` + ``MooncakePipe``): the producer clones each
+  request's KV and hidden states into a GPU lookup buffer (``kv_buffer_size`` bytes per rank; an
+  insert into a full buffer spins in 1 ms sleeps, stalling the prefill instance). The consumer,
+  inside the forward pass of the step that "prefills" the request, ``drop_select``s it: the
+  producer's handler thread pickles the tensors (device → host copy + serialisation) into a
+  managed CPU buffer, the consumer reads them with ``transfer_sync_read``, unpickles and copies
+  them to the GPU. Every TP rank moves its own shard in parallel over the node's NICs. The whole
+  chain runs synchronously inside the consumer's step, so it is request latency and a stall of
+  every decode on that instance at once: :meth:`KvLink.v0_receive_s`.
+* ``v1`` (in-tree ``MooncakeConnector``): asynchronous GPU-direct writes; concurrent transfers
+  share the link bandwidth (:class:`TransferLink`, a processor-sharing queue).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LinkPreset:
+    """A KV path: wire bandwidth per NIC (GB/s, decimal), setup latency (ms), the default NIC
+    count (None = one NIC per TP rank, as on GPU nodes with a NIC per GPU) and, for the v0 CPU
+    path, the per-rank rate of its serialise/copy chain (None = GPU-direct, no CPU chain): the
+    first ``rank_cpu_fast_mb`` of a rank's shard at ``rank_cpu_fast_gb_s``, the rest at
+    ``rank_cpu_gb_s`` (docs/engine-model.md "Calibration")."""
+
+    name: str
+    nic_gb_s: float
+    setup_ms: float
+    nics: int | None = None
+    rank_cpu_gb_s: float | None = None
+    rank_cpu_fast_gb_s: float | None = None
+    rank_cpu_fast_mb: float = 0.0
+
+
+LINK_PRESETS: dict[tuple[str, str], LinkPreset] = {
+    # V1 in-tree MooncakeConnector: GPU-direct RDMA writes by the Transfer Engine. Mooncake
+    # README: 87 GB/s over 4×200 Gb/s RoCE and 190 GB/s over 8×400 Gb/s, i.e. ~22-24 GB/s per
+    # NIC (87-95 % of line rate); llm-d-inference-sim's table: RoCE 200G ≈ 20 GB/s. One NIC per
+    # GPU (DGX/HGX). Setup 0.5-2 ms (llm-d table).
+    ("v1", "rdma"): LinkPreset("v1-rdma", 20.0, 1.0),
+    # V1 over Mooncake's TCP transport. Mooncake's EFA doc measured iperf3 at 9.5 GB/s (8
+    # streams) but Mooncake's own TCP transport at 0.11 GB/s ("unoptimized for throughput"); the
+    # README's "RDMA 2.4× faster than TCP" implies ~9 GB/s per 200 Gb/s NIC. Pessimistic preset:
+    # 1 GB/s per NIC, setup 5 ms (llm-d table: TCP 2-10 ms). Override with engine.kv_link.
+    ("v1", "tcp"): LinkPreset("v1-tcp", 1.0, 5.0),
+    # V0 MooncakePipe through CPU buffers (module docstring). Wire: Mooncake's A10 nodes used
+    # Alibaba Cloud eRDMA ("device_name": "erdma_0") on a VPC network of ~25 Gbit/s per node
+    # (≈3 GB/s, approximate); Mooncake published "1 NIC" and "2 NICs" rows. The CPU chain per
+    # rank (D2H copy, pickle, copy into the managed buffer, copy out, unpickle, pageable H2D:
+    # ~6 serial copies of the shard in one Python thread) dominates; its two rates are
+    # calibrated against all five Mooncake A10 tables (docs/engine-model.md "Calibration").
+    ("v0", "rdma"): LinkPreset(
+        "v0-rdma",
+        3.0,
+        2.0,
+        nics=1,
+        rank_cpu_gb_s=0.22,
+        rank_cpu_fast_gb_s=0.8,
+        rank_cpu_fast_mb=16.0,
+    ),
+    # Mooncake TE's TCP transport over the same VPC network: kernel TCP on such VMs reaches
+    # ~2 GB/s (approximate); same CPU chain; longer setup (llm-d table: TCP 2-10 ms). Mooncake's
+    # A10 tables show TCP ≈ RDMA at TP ≥ 2, as a CPU-bound chain implies.
+    ("v0", "tcp"): LinkPreset(
+        "v0-tcp",
+        2.0,
+        5.0,
+        nics=1,
+        rank_cpu_gb_s=0.22,
+        rank_cpu_fast_gb_s=0.8,
+        rank_cpu_fast_mb=16.0,
+    ),
+}
+
+V0_PRODUCER_CHAIN_SHARE = 0.5
+"""Share of the v0 copy chain that runs on the producer (D2H, serialise, copy into the managed
+buffer: three of the six copies)."""
+
+V0_PRODUCER_GIL_SLOWDOWN = 2.0
+"""The producer's drop_select handler is a Python thread of the engine process: while the engine
+loop runs a step, the two runnable threads alternate on the GIL (CPython switch interval 5 ms),
+so the handler's share of the chain takes about twice as long. Approximate."""
+
+V0_KV_BUFFER_BYTES = 2e9
+"""``kv_buffer_size`` of the v0 recipe (Mooncake v0.2 doc command; vLLM's default is 1e9)."""
+
+LINK_OVERRIDES = (
+    "nic_gb_s",
+    "setup_ms",
+    "nics",
+    "rank_cpu_gb_s",
+    "rank_cpu_fast_gb_s",
+    "rank_cpu_fast_mb",
+)
+"""Keys of ``engine.kv_link`` (config) that replace a preset's values."""
+
+
+@dataclass(frozen=True)
+class KvLink:
+    """A resolved KV path for one deployment of TP ``tp``."""
+
+    preset: str
+    nic_gb_s: float
+    setup_ms: float
+    nics: int
+    rank_cpu_gb_s: float | None
+    rank_cpu_fast_gb_s: float | None
+    rank_cpu_fast_mb: float
+    tp: int
+
+    @property
+    def wire_bytes_per_s(self) -> float:
+        return self.nic_gb_s * 1e9 * self.nics
+
+    def v0_receive_s(self, bytes_per_rank: float, producer_busy: bool = False) -> float:
+        """One request's receive inside the consumer's forward pass: setup, the per-rank CPU
+        chain (ranks in parallel) and the shards of all ranks through the shared NICs. When the
+        producer instance is running a step, its share of the chain (the handler thread's
+        serialisation) shares the GIL with the busy engine loop and runs slower."""
+        cpu = self._cpu_s(bytes_per_rank)
+        if producer_busy:
+            cpu *= 1.0 + V0_PRODUCER_CHAIN_SHARE * (V0_PRODUCER_GIL_SLOWDOWN - 1.0)
+        return self.setup_ms * 1e-3 + cpu + bytes_per_rank * self.tp / self.wire_bytes_per_s
+
+    def _cpu_s(self, bytes_per_rank: float) -> float:
+        """The per-rank CPU chain: the first ``rank_cpu_fast_mb`` at the fast rate."""
+        if not self.rank_cpu_gb_s:
+            return 0.0
+        fast = 0.0
+        if self.rank_cpu_fast_gb_s:
+            fast = min(bytes_per_rank, self.rank_cpu_fast_mb * 1e6)
+        cpu = (bytes_per_rank - fast) / (self.rank_cpu_gb_s * 1e9)
+        if fast:
+            cpu += fast / (self.rank_cpu_fast_gb_s * 1e9)
+        return cpu
+
+
+def kv_link(recipe: str, protocol: str, tp: int, overrides: Mapping[str, Any] | None) -> KvLink:
+    """The preset of (recipe, protocol) with ``engine.kv_link`` overrides applied."""
+    try:
+        preset = LINK_PRESETS[(recipe, protocol)]
+    except KeyError:
+        raise KeyError(
+            f"no KV link preset for recipe {recipe!r} and protocol {protocol!r}"
+        ) from None
+    values = {
+        "nic_gb_s": preset.nic_gb_s,
+        "setup_ms": preset.setup_ms,
+        "nics": preset.nics or tp,
+        "rank_cpu_gb_s": preset.rank_cpu_gb_s,
+        "rank_cpu_fast_gb_s": preset.rank_cpu_fast_gb_s,
+        "rank_cpu_fast_mb": preset.rank_cpu_fast_mb,
+    }
+    for key, value in (overrides or {}).items():
+        if key not in LINK_OVERRIDES:
+            raise KeyError(
+                f"unknown engine.kv_link key {key!r} (known: {', '.join(LINK_OVERRIDES)})"
+            )
+        values[key] = value
+    name = preset.name + (" (overridden)" if overrides else "")
+    return KvLink(name, tp=tp, **values)
+
+
+class LookupBuffer:
+    """The v0 producer's KV lookup buffer of one rank: ``insert`` refuses (the caller stalls
+    the prefill instance) while the held bytes exceed the capacity, as ``SimpleBuffer.insert``
+    spins while ``buffer_size > buffer_size_threshold``; a consumer's receive frees an entry."""
+
+    def __init__(self, capacity_bytes: float):
+        if capacity_bytes <= 0:
+            raise ValueError("kv_buffer_size must be > 0")
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0.0
+
+    def try_insert(self, nbytes: float) -> bool:
+        if self.used_bytes > self.capacity_bytes:
+            return False
+        self.used_bytes += nbytes
+        return True
+
+    def release(self, nbytes: float) -> None:
+        self.used_bytes = max(self.used_bytes - nbytes, 0.0)
+
+
+@dataclass(frozen=True)
+class ProxyHop:
+    """Latency a proxy adds: on the request path (new aiohttp session per request to a
+    localhost server, as round_robin_proxy.py and the disagg proxies do) and per streamed
+    chunk relayed back. vLLM PR #11791 measured 5-10 % of disaggregated TTFT for the HTTP proxy
+    at input 1024 / output 6; per-hop values are approximate."""
+
+    request_ms: float = 1.5
+    chunk_ms: float = 0.2
+
+
+NO_PROXY = ProxyHop(0.0, 0.0)
+
+
+class TransferLink:
+    """Processor-sharing link; keys identify transfers and come back on completion."""
+
+    def __init__(self, bandwidth_bytes_per_s: float, setup_s: float):
+        if bandwidth_bytes_per_s <= 0:
+            raise ValueError("link bandwidth must be > 0")
+        self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
+        self.setup_s = setup_s
+        self._now = 0.0
+        self._flowing: dict[Any, float] = {}  # key -> remaining bytes
+        self._pending: list[tuple[float, int, Any, float]] = []  # (flow start, seq, key, bytes)
+        self._seq = 0
+        self._completed: list[tuple[float, Any]] = []
+
+    def duration_alone_s(self, nbytes: float) -> float:
+        """Setup plus bytes at full bandwidth: a transfer that has the link to itself."""
+        return self.setup_s + nbytes / self.bandwidth_bytes_per_s
+
+    def start(self, now: float, key: Any, nbytes: float) -> None:
+        self._advance_to(now)
+        heapq.heappush(self._pending, (now + self.setup_s, self._seq, key, nbytes))
+        self._seq += 1
+
+    def busy(self) -> bool:
+        return bool(self._flowing) or bool(self._pending)
+
+    def next_event_s(self) -> float:
+        """Time of the next completion or flow start (inf when idle)."""
+        nxt = self._pending[0][0] if self._pending else float("inf")
+        if self._flowing:
+            done = self._now + min(self._flowing.values()) * len(self._flowing) / (
+                self.bandwidth_bytes_per_s
+            )
+            nxt = min(nxt, done)
+        return nxt
+
+    def advance(self, now: float) -> list[tuple[float, Any]]:
+        """Move the link to ``now``; return (completion time, key) of transfers that finished
+        since the last call."""
+        self._advance_to(now)
+        completed, self._completed = self._completed, []
+        return completed
+
+    def _advance_to(self, now: float) -> None:
+        while True:
+            nxt = self.next_event_s()
+            if nxt > now:
+                break
+            self._progress(nxt)
+            for key, remaining in list(self._flowing.items()):
+                if remaining <= 1e-3:  # bytes; absorbs float rounding
+                    del self._flowing[key]
+                    self._completed.append((nxt, key))
+            while self._pending and self._pending[0][0] <= nxt:
+                _, _, key, nbytes = heapq.heappop(self._pending)
+                self._flowing[key] = nbytes
+        self._progress(now)
+
+    def _progress(self, t: float) -> None:
+        if t <= self._now:
+            return
+        if self._flowing:
+            share = (t - self._now) * self.bandwidth_bytes_per_s / len(self._flowing)
+            for key in self._flowing:
+                self._flowing[key] -= share
+        self._now = t

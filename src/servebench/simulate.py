@@ -1,0 +1,485 @@
+"""The simulator backend: the engine of ``servebench.engine`` driven by a virtual clock.
+
+It replays the cell's seeded arrival schedule (the one the real client uses) through the
+cell's topology and writes what a client would have recorded: one streamed chunk per output
+token, times in seconds from the benchmark start. Topologies by mode:
+
+* ``single``: one instance, the client talks to it directly;
+* ``nondisagg`` / ``chunked``: two instances behind vLLM's strict round-robin proxy; the
+  warm-up requests take the first slots, as they do through ``round_robin_proxy.py``;
+* ``mooncake-rdma`` / ``mooncake-tcp``: the disaggregated proxy sends a ``max_tokens=1`` copy
+  to the prefill instance and waits for it, then sends the request to the decode instance. With
+  the ``v0`` recipe the decode instance receives the KV inside its forward pass (the receive is
+  part of its step and stalls everything else on it); with ``v1`` the KV moves asynchronously
+  over a shared link and the request joins the decode batch when it has arrived.
+
+Warm-up requests are sent one at a time before the clock starts and so have negative times.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import asdict, dataclass
+from math import inf
+from typing import Any
+
+import numpy as np
+
+from servebench.config import Cell
+from servebench.engine.aic_table import select_step_time_model
+from servebench.engine.architecture import Architecture, load_architecture
+from servebench.engine.hardware import gpu_spec
+from servebench.engine.instance import DecodeRun, EngineInstance, Jitter
+from servebench.engine.kvcache import (
+    BlockPool,
+    KvMemoryPlan,
+    kv_bytes_per_token_per_gpu,
+    plan_kv_memory,
+)
+from servebench.engine.roofline import (
+    V0_TP_STEP_BROADCAST_MS,
+    RooflineStepTime,
+    eager_overhead_ms,
+    weight_bytes,
+)
+from servebench.engine.scheduler import Request, Scheduler, SchedulerConfig, scheduler_config
+from servebench.engine.steptime import StepTimeModel, WithDecodeOverhead
+from servebench.engine.transfer import (
+    NO_PROXY,
+    V0_KV_BUFFER_BYTES,
+    LookupBuffer,
+    ProxyHop,
+    TransferLink,
+    kv_link,
+)
+from servebench.schedule import arrival_times
+from servebench.trace import RequestRecord
+
+DEFAULT_GPU = "A100-SXM4-80GB"
+DEFAULT_JITTER_CV = 0.03
+"""Step-to-step variation of a GPU forward pass (peers §2.9: CV about 3-5 %)."""
+DEFAULT_STRAGGLER_PROBABILITY = 0.005
+"""Share of steps hit by a host hiccup (see ``Jitter``); approximate, docs/engine-model.md."""
+
+
+@dataclass
+class SimulationResult:
+    records: list[RequestRecord]
+    engine_parameters: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Setup:
+    arch: Architecture
+    step_time: StepTimeModel
+    step_time_label: str
+    scheduler: SchedulerConfig
+    kv: KvMemoryPlan
+    jitter_cv: float
+    straggler_probability: float
+
+
+def simulate(cell: Cell, step_time: StepTimeModel | None = None) -> SimulationResult:
+    """Simulate one cell in virtual time; deterministic for the cell's seed."""
+    setup = _setup(cell, step_time)
+    workload = cell.workload
+    sends = arrival_times(workload.num_prompts, workload.qps, workload.burstiness, workload.seed)
+    instances = [
+        EngineInstance(
+            Scheduler(
+                setup.scheduler, BlockPool(setup.kv.num_blocks, watermark=setup.scheduler.watermark)
+            ),
+            setup.step_time,
+            Jitter(
+                setup.jitter_cv,
+                np.random.SeedSequence([workload.seed, index]),
+                setup.straggler_probability,
+            ),
+        )
+        for index in range(cell.mode.instances)
+    ]
+    if cell.mode.disaggregated:
+        driver = _Disaggregated(cell, setup, instances[0], instances[1])
+    else:
+        hop = NO_PROXY if cell.mode.instances == 1 else ProxyHop()
+        driver = _RoundRobin(cell, instances, hop)
+    records = driver.run(sends)
+    parameters = _parameters(cell, setup, driver)
+    return SimulationResult(records=records, engine_parameters=parameters)
+
+
+def _setup(cell: Cell, step_time: StepTimeModel | None) -> _Setup:
+    arch = load_architecture(cell.model.architecture)
+    gpu = gpu_spec(cell.engine.get("gpu", DEFAULT_GPU))
+    tp = cell.model.tensor_parallel
+    serving = cell.serving
+    sched = scheduler_config(
+        cell.recipe,
+        cell.mode.chunked_prefill,
+        serving.max_model_len,
+        gpu.name,
+        serving.max_num_batched_tokens,
+    )
+    kv = plan_kv_memory(
+        model_label=f"{cell.model.name} ({cell.model.quantization})",
+        arch=arch,
+        weight_bytes=weight_bytes(arch, cell.model.quantization),
+        gpu=gpu,
+        tp=tp,
+        gpu_memory_utilization=serving.gpu_memory_utilization,
+        max_model_len=serving.max_model_len,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_num_seqs=sched.max_num_seqs,
+    )
+    if step_time is not None:
+        model, label = step_time, f"given ({type(step_time).__name__})"
+    else:
+        model, label = _step_time_model(cell, gpu.name)
+    return _Setup(
+        arch,
+        model,
+        label,
+        sched,
+        kv,
+        float(cell.engine.get("jitter_cv", DEFAULT_JITTER_CV)),
+        float(cell.engine.get("straggler_probability", DEFAULT_STRAGGLER_PROBABILITY)),
+    )
+
+
+def _step_time_model(cell: Cell, gpu: str) -> tuple[StepTimeModel, str]:
+    """aiconfigurator's measured table where it covers the setup, else the roofline; both with
+    the serving flags (``--enforce-eager``) and V0's per-step TP broadcast."""
+    tp = cell.model.tensor_parallel
+    eager = cell.serving.enforce_eager
+    v0 = cell.recipe == "v0"
+
+    def roofline(arch: Architecture, gpu_name: str, tp_: int, quantization: str) -> StepTimeModel:
+        return RooflineStepTime(
+            arch, gpu_spec(gpu_name), tp_, quantization, enforce_eager=eager, v0_engine=v0
+        )
+
+    model, label = select_step_time_model(
+        cell.model.architecture, gpu, tp, cell.model.quantization, roofline=roofline
+    )
+    if isinstance(model, RooflineStepTime):
+        return model, label
+    arch = load_architecture(cell.model.architecture)
+    decode_extra = eager_overhead_ms(arch, tp) if eager else 0.0
+    any_step = V0_TP_STEP_BROADCAST_MS if v0 and tp > 1 else 0.0
+    if decode_extra or any_step:
+        extras = ["enforce_eager"] if eager else []
+        extras += ["V0 TP broadcast"] if any_step else []
+        return WithDecodeOverhead(model, decode_extra, any_step), f"{label} + {', '.join(extras)}"
+    return model, label
+
+
+def _parameters(cell: Cell, setup: _Setup, driver: _RoundRobin | _Disaggregated) -> dict[str, Any]:
+    return {
+        "gpu": cell.engine.get("gpu", DEFAULT_GPU),
+        "tensor_parallel": cell.model.tensor_parallel,
+        "quantization": cell.model.quantization,
+        "step_time_model": type(setup.step_time).__name__,
+        "step_time_source": setup.step_time_label,
+        "enforce_eager": cell.serving.enforce_eager,
+        "scheduler": asdict(setup.scheduler),
+        "kv_cache": asdict(setup.kv),
+        "jitter_cv": setup.jitter_cv,
+        "straggler_probability": setup.straggler_probability if setup.jitter_cv else 0.0,
+        **driver.parameters(),
+    }
+
+
+def _records(
+    workload_warmups: int,
+    warmup_sends: list[float],
+    sends: np.ndarray,
+    chunks: list[list[float]],
+    input_len: int,
+    output_len: int,
+) -> list[RequestRecord]:
+    """Client records: warm-ups first (``warmup=True``), then measured requests 0..N-1."""
+    records = []
+    send_times = [*warmup_sends, *sends.tolist()]
+    for index, (sent, times) in enumerate(zip(send_times, chunks, strict=True)):
+        records.append(
+            RequestRecord(
+                request_id=index,
+                warmup=index < workload_warmups,
+                scheduled_s=sent,
+                sent_s=sent,
+                first_token_s=times[0],
+                end_s=times[-1],
+                chunk_s=times,
+                chunk_tokens=[1] * len(times),
+                prompt_tokens=input_len,
+                completion_tokens=len(times),
+                success=True,
+            )
+        )
+    return records
+
+
+def round_robin_targets(num_requests: int, num_instances: int) -> list[int]:
+    """Instance of each request in send order (warm-ups first): ``itertools.cycle`` over the
+    instances, as ``round_robin_proxy.py`` does, so the first warm-up takes the first slot."""
+    return [k % num_instances for k in range(num_requests)]
+
+
+class _RoundRobin:
+    """One or more independent instances; request k goes to instance k mod n."""
+
+    def __init__(self, cell: Cell, instances: list[EngineInstance], hop: ProxyHop):
+        self.cell = cell
+        self.instances = instances
+        self.hop = hop
+
+    def parameters(self) -> dict[str, Any]:
+        return {
+            "topology": "round-robin" if len(self.instances) > 1 else "single",
+            "proxy_hop": asdict(self.hop),
+        }
+
+    def run(self, sends: np.ndarray) -> list[RequestRecord]:
+        w = self.cell.workload
+        n_inst = len(self.instances)
+        total = w.warmup_requests + w.num_prompts
+        chunks: list[list[float]] = [[] for _ in range(total)]
+        hop_in = self.hop.request_ms * 1e-3
+        hop_out = self.hop.chunk_ms * 1e-3
+        # Warm-ups: one at a time, each sent when the previous one has completed.
+        targets = round_robin_targets(total, n_inst)
+        clock = 0.0
+        warm_sends = []
+        for k in range(w.warmup_requests):
+            warm_sends.append(clock)
+            request = Request(k, w.input_len, w.output_len)
+            _run_instance(self.instances[targets[k]], [(clock + hop_in, request)], chunks, hop_out)
+            clock = chunks[k][-1]
+        warm_sends = [t - clock for t in warm_sends]
+        for k in range(w.warmup_requests):
+            chunks[k] = [t - clock for t in chunks[k]]
+        per_instance: list[list[tuple[float, Request]]] = [[] for _ in range(n_inst)]
+        for i, sent in enumerate(sends.tolist()):
+            k = w.warmup_requests + i
+            per_instance[targets[k]].append((sent + hop_in, Request(k, w.input_len, w.output_len)))
+        for instance, arrivals in zip(self.instances, per_instance, strict=True):
+            _run_instance(instance, arrivals, chunks, hop_out)
+        return _records(w.warmup_requests, warm_sends, sends, chunks, w.input_len, w.output_len)
+
+
+def _run_instance(
+    instance: EngineInstance,
+    arrivals: list[tuple[float, Request]],
+    chunks: list[list[float]],
+    hop_out_s: float,
+) -> None:
+    """Drive one instance through its arrivals (sorted by time) until it has no work left."""
+    clock = arrivals[0][0] if arrivals else 0.0
+    i, n = 0, len(arrivals)
+    while i < n or instance.has_work():
+        if not instance.has_work() and arrivals[i][0] > clock:
+            clock = arrivals[i][0]
+        while i < n and arrivals[i][0] <= clock:
+            instance.add_request(arrivals[i][1])
+            i += 1
+        run = instance.decode_run((arrivals[i][0] if i < n else inf) - clock)
+        if run is not None:
+            ends = [clock + hop_out_s + end for end in run.step_ends_s]
+            for request in run.requests:
+                chunks[request.request_id].extend(ends)
+            clock += run.step_ends_s[-1]
+            continue
+        result = instance.step()
+        clock += result.duration_s
+        seen = clock + hop_out_s
+        for request in result.emitted:
+            chunks[request.request_id].append(seen)
+
+
+_ARRIVE_PREFILL, _PREFILL_DONE, _ARRIVE_DECODE, _LINK, _DECODE_DONE = range(5)
+
+
+class _Disaggregated:
+    """Prefill instance → proxy → (KV transfer) → decode instance, on one event queue."""
+
+    def __init__(self, cell: Cell, setup: _Setup, prefill: EngineInstance, decode: EngineInstance):
+        self.cell = cell
+        self.prefill = prefill
+        self.decode = decode
+        self.hop = ProxyHop()
+        self.generation = cell.recipe
+        tp = cell.model.tensor_parallel
+        self.link_config = kv_link(
+            cell.recipe, cell.mode.kv_protocol or "rdma", tp, cell.engine.get("kv_link")
+        )
+        self.link = TransferLink(
+            self.link_config.wire_bytes_per_s, self.link_config.setup_ms * 1e-3
+        )
+        arch = setup.arch
+        # Per TP rank: its KV heads' share (replicated below one head per rank) plus the last
+        # hidden state, which V0 sends from every rank.
+        hidden = arch.hidden_size * 2 if cell.recipe == "v0" else 0
+        self.bytes_per_token_per_rank = kv_bytes_per_token_per_gpu(arch, tp) + hidden
+        self.bytes_per_prompt_token = self.bytes_per_token_per_rank * tp
+        self.buffer = LookupBuffer(float(cell.engine.get("kv_buffer_size", V0_KV_BUFFER_BYTES)))
+        self._inserting: list[int] = []  # prefill batch whose inserts wait for buffer room
+        self._inserted = 0
+        self._prefill_blocked = False
+        self.prefill_stall_s = 0.0
+        self._blocked_since = 0.0
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self._busy = {id(prefill): False, id(decode): False}
+        self._link_event_at = float("inf")
+
+    def parameters(self) -> dict[str, Any]:
+        params = {
+            "topology": f"disaggregated-{self.generation}",
+            "proxy_hop": asdict(self.hop),
+            "kv_link": asdict(self.link_config),
+            "kv_bytes_per_prompt_token": self.bytes_per_prompt_token,
+            "kv_bytes_per_token_per_rank": self.bytes_per_token_per_rank,
+        }
+        if self.generation == "v0":
+            params["kv_buffer_size"] = self.buffer.capacity_bytes
+            params["v0_receive_ms"] = (
+                self.link_config.v0_receive_s(
+                    self.bytes_per_token_per_rank * self.cell.workload.input_len
+                )
+                * 1e3
+            )
+            params["prefill_buffer_stall_s"] = self.prefill_stall_s
+        return params
+
+    def run(self, sends: np.ndarray) -> list[RequestRecord]:
+        w = self.cell.workload
+        total = w.warmup_requests + w.num_prompts
+        self.chunks: list[list[float]] = [[] for _ in range(total)]
+        clock = 0.0
+        warm_sends = []
+        for k in range(w.warmup_requests):
+            warm_sends.append(clock)
+            self._run([(clock, k)])
+            clock = self.chunks[k][-1]
+        warm_sends = [t - clock for t in warm_sends]
+        for k in range(w.warmup_requests):
+            self.chunks[k] = [t - clock for t in self.chunks[k]]
+        self._run([(sent, w.warmup_requests + i) for i, sent in enumerate(sends.tolist())])
+        return _records(
+            w.warmup_requests, warm_sends, sends, self.chunks, w.input_len, w.output_len
+        )
+
+    def _push(self, time: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._events, (time, self._seq, kind, payload))
+        self._seq += 1
+
+    def _run(self, sends: list[tuple[float, int]]) -> None:
+        hop_in = self.hop.request_ms * 1e-3
+        for sent, k in sends:
+            self._push(sent + hop_in, _ARRIVE_PREFILL, k)
+        events = self._events
+        while events:
+            now, _, kind, payload = heapq.heappop(events)
+            self._handle(now, kind, payload)
+            for instance, done_kind in ((self.prefill, _PREFILL_DONE), (self.decode, _DECODE_DONE)):
+                if instance is self.prefill and self._prefill_blocked:
+                    continue
+                if not self._busy[id(instance)] and instance.has_work():
+                    horizon = (events[0][0] if events else inf) - now
+                    run = instance.decode_run(horizon)
+                    if run is None:
+                        busy = instance is self.decode and self._busy[id(self.prefill)]
+                        result = instance.step(producer_busy=busy)
+                    else:
+                        result = run
+                    self._busy[id(instance)] = True
+                    end = run.step_ends_s[-1] if run is not None else result.duration_s
+                    self._push(now + end, done_kind, (now, result))
+        if self._inserting:
+            raise RuntimeError(
+                f"the v0 producer's KV buffer (kv_buffer_size {self.buffer.capacity_bytes:.3g} "
+                "bytes per rank) cannot hold one prefill batch: its inserts wait for a consumer "
+                "that never receives the batch, and vLLM would hang the same way"
+            )
+
+    def _insert(self, now: float) -> None:
+        """V0 producer: put the finished prefill batch's KV into the lookup buffer; the batch's
+        responses leave (and the instance may step again) only when every insert succeeded."""
+        entry = self.bytes_per_token_per_rank * self.cell.workload.input_len
+        while self._inserted < len(self._inserting):
+            if not self.buffer.try_insert(entry):
+                if not self._prefill_blocked:
+                    self._prefill_blocked = True
+                    self._blocked_since = now
+                return
+            self._inserted += 1
+        if self._prefill_blocked:
+            self.prefill_stall_s += now - self._blocked_since
+            self._prefill_blocked = False
+        for request_id in self._inserting:
+            # The proxy drains the 1-token response, then sends the request to the decoder.
+            self._push(now + 2 * self.hop.request_ms * 1e-3, _ARRIVE_DECODE, request_id)
+        self._inserting, self._inserted = [], 0
+
+    def _handle(self, now: float, kind: int, payload: Any) -> None:
+        w = self.cell.workload
+        if kind == _ARRIVE_PREFILL:
+            self.prefill.add_request(Request(payload, w.input_len, 1))
+        elif kind == _PREFILL_DONE:
+            self._busy[id(self.prefill)] = False
+            _, result = payload
+            finished = [request.request_id for request in result.finished]
+            if self.generation == "v0":
+                self._inserting.extend(finished)
+                self._insert(now)
+            else:
+                for request_id in finished:
+                    self._push(now + 2 * self.hop.request_ms * 1e-3, _ARRIVE_DECODE, request_id)
+        elif kind == _ARRIVE_DECODE:
+            if self.generation == "v0":
+                per_rank = self.bytes_per_token_per_rank * w.input_len
+                link = self.link_config
+                self.decode.add_request(
+                    Request(
+                        payload,
+                        w.input_len,
+                        w.output_len,
+                        receive_ms=link.v0_receive_s(per_rank) * 1e3,
+                        receive_contended_ms=link.v0_receive_s(per_rank, True) * 1e3,
+                    )
+                )
+            else:
+                self.link.start(now, payload, self.bytes_per_prompt_token * w.input_len)
+                self._schedule_link()
+        elif kind == _LINK:
+            self._link_event_at = float("inf")
+            for _, key in self.link.advance(now):
+                # All prompt KV is present; the decoder recomputes the last prompt token to
+                # sample the first output token.
+                self.decode.add_request(
+                    Request(key, w.input_len, w.output_len, num_computed=w.input_len - 1)
+                )
+            self._schedule_link()
+        elif kind == _DECODE_DONE:
+            self._busy[id(self.decode)] = False
+            started, result = payload
+            hop = self.hop.chunk_ms * 1e-3
+            if isinstance(result, DecodeRun):
+                ends = [started + hop + end for end in result.step_ends_s]
+                for request in result.requests:
+                    self.chunks[request.request_id].extend(ends)
+            else:
+                for request in result.emitted:
+                    self.chunks[request.request_id].append(now + hop)
+                if result.num_received:
+                    # drop_select removed the entries from the producer's buffer.
+                    entry = self.bytes_per_token_per_rank * w.input_len
+                    self.buffer.release(entry * result.num_received)
+                    if self._prefill_blocked:
+                        self._insert(now)
+
+    def _schedule_link(self) -> None:
+        nxt = self.link.next_event_s()
+        if nxt < self._link_event_at:
+            self._link_event_at = nxt
+            self._push(nxt, _LINK, None)

@@ -1,0 +1,154 @@
+"""The aiconfigurator step-time table against aiconfigurator itself, and the roofline against both.
+
+Issue 3's cross-check: Qwen2.5-7B on A100 at TP 1, 2 and 4. The table must reproduce
+aiconfigurator exactly on grid points and within interpolation error between them; the roofline
+fallback must land within 30 % of it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from servebench.engine import aic_table
+from servebench.engine.aic_table import AicStepTime, select_step_time_model
+from servebench.engine.architecture import load_architecture
+from servebench.engine.steptime import StepBatch
+
+A100 = "A100-SXM4-80GB"
+QWEN_7B = load_architecture("qwen2.5-7b")
+TPS = (1, 2, 4)
+GRID_DECODES = ((1, 1024), (32, 1024), (8, 4096))
+OFF_GRID_DECODES = ((37, 1500), (100, 3000), (3, 777))
+GRID_PREFILLS = ((1024, 0), (4096, 0), (2048, 0))
+OFF_GRID_PREFILLS = ((1500, 0), (3000, 0), (512, 3584), (700, 2500))
+ON_GRID, OFF_GRID, ROOFLINE = 1e-9, 0.02, 0.30
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("steptime")
+
+
+@pytest.fixture(scope="module")
+def tables(cache: Path) -> dict[int, AicStepTime]:
+    return {tp: AicStepTime(QWEN_7B, A100, tp, "bf16", cache) for tp in TPS}
+
+
+@pytest.fixture(scope="module")
+def handles() -> dict[int, object]:
+    from aiconfigurator_core.sdk.engine import EngineHandle
+
+    model_dir = str(aic_table.architecture_dir("qwen2.5-7b"))
+    with aic_table._aic_logs_to_debug():
+        return {tp: EngineHandle.compile(model_dir, "a100_sxm", "vllm", tp_size=tp) for tp in TPS}
+
+
+def decode(batch: int, context: int) -> StepBatch:
+    return StepBatch(decode_contexts=(context,) * batch)
+
+
+def prefill(new: int, past: int) -> StepBatch:
+    return StepBatch(prefill_chunks=((new, past),))
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize(
+    ("points", "tolerance"), [(GRID_DECODES, ON_GRID), (OFF_GRID_DECODES, OFF_GRID)]
+)
+def test_decode_matches_aiconfigurator(tables, handles, tp, points, tolerance):
+    for batch, context in points:
+        expected = handles[tp].predict_decode_latency(batch, context)
+        got = tables[tp].step_ms(decode(batch, context))
+        assert got == pytest.approx(expected, rel=tolerance), (tp, batch, context)
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize(
+    ("points", "tolerance"), [(GRID_PREFILLS, ON_GRID), (OFF_GRID_PREFILLS, OFF_GRID)]
+)
+def test_prefill_matches_aiconfigurator(tables, handles, tp, points, tolerance):
+    for new, past in points:
+        expected = handles[tp].predict_prefill_latency(1, new + past, past)
+        got = tables[tp].step_ms(prefill(new, past))
+        assert got == pytest.approx(expected, rel=tolerance), (tp, new, past)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_mixed_step_shares_gemms_like_aiconfigurator(tables, handles, tp):
+    """A chunk plus decodes costs aiconfigurator's mixed step, far less than the two steps apart.
+
+    (aiconfigurator's mixed step uses ``isl`` both as the prompt and as the decodes' context.)
+    """
+    batch = StepBatch(prefill_chunks=((1024, 0),), decode_contexts=(1024,) * 32)
+    expected = handles[tp].mixed_step_latency(1024, 32, 1024, 2)
+    got = tables[tp].step_ms(batch)
+    assert got == pytest.approx(expected, rel=0.01)
+    apart = tables[tp].step_ms(prefill(1024, 0)) + tables[tp].step_ms(decode(32, 1024))
+    assert got < 0.95 * apart
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("servebench.engine.roofline") is None, reason="roofline not there yet"
+)
+@pytest.mark.parametrize("tp", TPS)
+def test_roofline_within_30_percent(tables, tp):
+    from servebench.engine.hardware import gpu_spec
+    from servebench.engine.roofline import RooflineStepTime
+
+    roofline = RooflineStepTime(QWEN_7B, gpu_spec(A100), tp, "bf16")
+    for batch in (decode(1, 1024), decode(32, 1024), prefill(1024, 0), prefill(4096, 0)):
+        assert roofline.step_ms(batch) == pytest.approx(tables[tp].step_ms(batch), rel=ROOFLINE)
+
+
+def test_second_construction_reads_the_cache(tables, cache, monkeypatch):
+    from aiconfigurator_core.sdk.engine import EngineHandle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("aiconfigurator called although the table is cached")
+
+    monkeypatch.setattr(EngineHandle, "compile", refuse)
+    cached = AicStepTime(QWEN_7B, A100, 1, "bf16", cache)
+    for batch in (decode(37, 1500), prefill(700, 2500)):
+        assert cached.step_ms(batch) == tables[1].step_ms(batch)
+    assert cached.label == tables[1].label == "aiconfigurator-core 0.12.0 a100_sxm vllm"
+    assert not list(cache.glob("*.tmp")), "atomic write left a temporary file"
+
+
+def test_weight_only_int4_is_faster_at_small_batch_not_at_large(tables, cache):
+    awq = AicStepTime(QWEN_7B, A100, 1, "awq", cache)
+    assert awq.step_ms(decode(1, 1024)) < 0.6 * tables[1].step_ms(decode(1, 1024))
+    assert awq.step_ms(prefill(4096, 0)) > tables[1].step_ms(prefill(4096, 0))
+    assert "int4_wo" in awq.label and "approximation" in awq.label
+
+
+def fake_roofline(arch, gpu, tp, quantization):
+    return ("roofline", arch.name, gpu, tp, quantization)
+
+
+@pytest.mark.parametrize(
+    ("arch", "gpu", "tp", "quantization", "why"),
+    [
+        ("qwen2.5-7b", "A10-24GB", 1, "bf16", "no system file for A10-24GB"),
+        ("qwen2.5-7b", "L40S-48GB", 1, "awq", "no system file for L40S-48GB"),
+        ("qwen2.5-7b", A100, 8, "bf16", "should be divisible by tp_size 8"),
+        ("qwen2.5-7b", A100, 1, "fp8", "fp8 on A100"),
+    ],
+)
+def test_fallback_to_roofline_says_why(arch, gpu, tp, quantization, why, cache, monkeypatch):
+    monkeypatch.setenv("SERVEBENCH_CACHE", str(cache))
+    model, label = select_step_time_model(arch, gpu, tp, quantization, roofline=fake_roofline)
+    assert model == ("roofline", arch, gpu, tp, quantization)
+    assert label.startswith("roofline (") and why in label
+
+
+def test_cohere_is_approximated_as_llama_and_says_so(cache, monkeypatch):
+    monkeypatch.setenv("SERVEBENCH_CACHE", str(cache))
+    model, label = select_step_time_model("command-r7b-12-2024", A100, 1, "bf16")
+    assert isinstance(model, AicStepTime)
+    assert (
+        "Cohere2ForCausalLM as Llama of the same dimensions" in label and "sliding-window" in label
+    )
+    assert 5 < model.step_ms(decode(1, 1024)) < 20

@@ -1,0 +1,168 @@
+"""Step-time roofline, KV memory plan and KV transfer link."""
+
+from __future__ import annotations
+
+import pytest
+
+from servebench.engine.architecture import load_architecture
+from servebench.engine.hardware import gpu_spec
+from servebench.engine.kvcache import BlockPool, ModelDoesNotFitError, plan_kv_memory
+from servebench.engine.roofline import RooflineStepTime, weight_bytes
+from servebench.engine.steptime import StepBatch
+from servebench.engine.transfer import TransferLink
+
+A100 = gpu_spec("A100-SXM4-80GB")
+
+
+def test_roofline_near_aiconfigurator_for_qwen7b_a100():
+    """peers §2.5: aiconfigurator gives 10.4 ms decode (bs 1, ctx 1024) and 114 ms prefill
+    (2048 tokens) for Qwen2.5-7B bf16 on A100 TP 1."""
+    model = RooflineStepTime(load_architecture("qwen2.5-7b"), A100, 1)
+    decode = model.step_ms(StepBatch(decode_contexts=(1024,)))
+    prefill = model.step_ms(StepBatch(prefill_chunks=((2048, 0),)))
+    assert decode == pytest.approx(10.4, rel=0.2)
+    assert prefill == pytest.approx(114, rel=0.25)
+
+
+def test_quantization_and_tp_make_decode_faster():
+    arch = load_architecture("qwen2.5-72b")
+    batch = StepBatch(decode_contexts=(1024,) * 8)
+    bf16 = RooflineStepTime(arch, A100, 4).step_ms(batch)
+    int4 = RooflineStepTime(arch, A100, 4, "gptq-int4").step_ms(batch)
+    tp2 = RooflineStepTime(arch, A100, 2, "gptq-int4").step_ms(batch)
+    assert int4 < bf16 < 2 * int4 + 20
+    assert int4 < tp2
+    assert (
+        weight_bytes(arch, "gptq-int4")
+        < weight_bytes(arch, "gptq-int8")
+        < weight_bytes(arch, "bf16")
+    )
+
+
+def test_int4_kernels_lose_efficiency_at_large_token_counts():
+    arch = load_architecture("qwen2.5-72b")
+    prefill = StepBatch(prefill_chunks=((8192, 0),))
+    bf16 = RooflineStepTime(arch, A100, 4).step_ms(prefill)
+    int4 = RooflineStepTime(arch, A100, 4, "awq").step_ms(prefill)
+    assert int4 > bf16 * 1.1
+
+
+def plan(arch_name: str, quantization: str, tp: int):
+    arch = load_architecture(arch_name)
+    return plan_kv_memory(
+        model_label=f"{arch_name} {quantization}",
+        arch=arch,
+        weight_bytes=weight_bytes(arch, quantization),
+        gpu=A100,
+        tp=tp,
+        gpu_memory_utilization=0.8,
+        max_model_len=10_000,
+        max_num_batched_tokens=10_000,
+        max_num_seqs=256,
+    )
+
+
+def test_72b_bf16_does_not_fit_on_one_a100():
+    with pytest.raises(
+        ModelDoesNotFitError, match=r"needs 1\d\d\.\d GiB of weights per GPU at TP 1"
+    ):
+        plan("qwen2.5-72b", "bf16", 1)
+
+
+def test_72b_tp4_kv_pool_size():
+    kv = plan("qwen2.5-72b", "bf16", 4)
+    # 63.3 GiB usable - 33.9 GiB weights - ~2.5 GiB reserve/activations ≈ 27 GiB at 80 KiB/token.
+    assert 300_000 < kv.capacity_tokens < 400_000
+    assert kv.kv_bytes_per_token_per_gpu == 80 * 1024
+
+
+def test_block_pool_accounting_and_watermark():
+    pool = BlockPool(100, watermark=0.01)
+    assert pool.blocks_for(17) == 2
+    assert pool.can_admit(99) and not pool.can_admit(100)
+    assert pool.allocate(60) and not pool.allocate(41)
+    pool.free(60)
+    assert pool.free_blocks == 100
+
+
+def test_link_shares_bandwidth_between_concurrent_transfers():
+    link = TransferLink(bandwidth_bytes_per_s=1e9, setup_s=0.001)
+    link.start(0.0, "a", 1e8)  # alone: 1 ms + 100 ms
+    link.start(0.0, "b", 1e8)
+    # Both flow from 1 ms at half the bandwidth: done at 1 + 200 ms.
+    assert link.advance(0.15) == []
+    done = link.advance(1.0)
+    assert [key for _, key in done] == ["a", "b"]
+    assert [t for t, _ in done] == pytest.approx([0.201, 0.201])
+
+
+def test_link_late_transfer_slows_the_first():
+    link = TransferLink(bandwidth_bytes_per_s=1e9, setup_s=0.0)
+    link.start(0.0, "a", 1e8)
+    link.start(0.05, "b", 1e8)  # a has 50 MB left, then shares: a ends at 0.15, b at 0.20
+    done = link.advance(1.0)
+    assert done == [(pytest.approx(0.15), "a"), (pytest.approx(0.20), "b")]
+    assert not link.busy()
+
+
+def test_v0_receive_is_setup_cpu_chain_and_shared_wire():
+    from servebench.engine.transfer import kv_link
+
+    knobs = {"nic_gb_s": 2.0, "nics": 1, "setup_ms": 2.0, "rank_cpu_gb_s": 0.5}
+    knobs |= {"rank_cpu_fast_gb_s": 1.0, "rank_cpu_fast_mb": 20.0}
+    link = kv_link("v0", "rdma", 4, knobs)
+    # 100 MB per rank: 2 ms + 20 MB / 1 GB/s + 80 MB / 0.5 GB/s + 4 × 100 MB / 2 GB/s.
+    assert link.v0_receive_s(100e6) == pytest.approx(0.002 + 0.02 + 0.16 + 0.2)
+    two = kv_link("v0", "rdma", 4, knobs | {"nics": 2})
+    assert two.v0_receive_s(100e6) == pytest.approx(0.002 + 0.02 + 0.16 + 0.1)
+    # A busy producer: its half of the CPU chain runs at half speed (GIL shared).
+    assert link.v0_receive_s(100e6, producer_busy=True) == pytest.approx(
+        0.002 + 1.5 * (0.02 + 0.16) + 0.2
+    )
+    with pytest.raises(KeyError, match=r"unknown engine\.kv_link key"):
+        kv_link("v0", "rdma", 1, {"bandwidth": 1.0})
+
+
+def test_lookup_buffer_refuses_inserts_while_over_capacity():
+    from servebench.engine.transfer import LookupBuffer
+
+    buffer = LookupBuffer(100.0)
+    assert buffer.try_insert(60.0) and buffer.try_insert(60.0)  # vLLM checks before inserting
+    assert not buffer.try_insert(10.0)
+    buffer.release(60.0)
+    assert buffer.try_insert(10.0)
+
+
+def test_eager_and_pcie_allreduce_overheads_are_monotone():
+    from servebench.engine.roofline import allreduce_latency_ms
+
+    a10 = gpu_spec("A10-24GB")
+    assert (
+        0
+        == allreduce_latency_ms(a10, 1)
+        < allreduce_latency_ms(a10, 2)
+        < allreduce_latency_ms(a10, 4)
+    )
+    arch = load_architecture("qwen2.5-7b")
+    decode = StepBatch((), (1024,) * 8)
+    for tp in (1, 2, 4):
+        graph = RooflineStepTime(arch, a10, tp, "gptq-int4").step_ms(decode)
+        eager = RooflineStepTime(arch, a10, tp, "gptq-int4", enforce_eager=True).step_ms(decode)
+        assert eager > graph
+    eager_by_tp = [
+        RooflineStepTime(arch, a10, tp, "gptq-int4", enforce_eager=True).step_ms(decode)
+        - RooflineStepTime(arch, a10, tp, "gptq-int4").step_ms(decode)
+        for tp in (1, 2, 4)
+    ]
+    assert eager_by_tp[0] < eager_by_tp[1] == pytest.approx(eager_by_tp[2])
+
+
+def test_stragglers_lengthen_the_tail_only_with_jitter():
+    import numpy as np
+
+    from servebench.engine.instance import Jitter
+
+    plain = np.array(Jitter(0.03, 1).peek(4000))
+    tail = np.array(Jitter(0.03, 1, straggler_probability=0.01).peek(4000))
+    assert np.percentile(tail, 99.9) > 1.5 > np.percentile(plain, 99.9)
+    assert Jitter(0.0, 1, straggler_probability=0.5).peek(3) == [1.0, 1.0, 1.0]

@@ -1,0 +1,137 @@
+"""The fidelity benchmark's inputs: the published numbers parse and every row builds a valid cell.
+
+Fast checks only: nothing here simulates, times or judges accuracy (that is what
+``benchmarks/fidelity.py`` prints).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+import jsonschema
+import pytest
+import yaml
+
+from servebench.cell import identity
+from servebench.config import RECIPES, SCHEMA_PATH, Cell
+from servebench.engine.architecture import load_architecture
+from servebench.engine.hardware import gpu_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "fidelity.py"
+
+
+def _load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("servebench_bench_fidelity", SCRIPT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+fidelity = _load_script()
+ROWS = fidelity.load_published()
+
+
+def test_header_names_both_sources_with_commits() -> None:
+    header = [
+        line
+        for line in SCRIPT.parent.joinpath("data", "mooncake_published.csv")
+        .read_text()
+        .splitlines()
+        if line.startswith("#")
+    ]
+    text = "\n".join(header)
+    assert "vllm_benchmark_results.md @ 348afd75319025441b8e2024a98f56f153245a4f" in text
+    assert "vllm-benchmark-results-v0.2.md @ 29fbe9f3ea4283b76315e79da7db496fa89f366e" in text
+
+
+def test_every_published_table_is_complete() -> None:
+    assert Counter(row.table for row in ROWS) == {
+        "v0.1-in1024": 5,
+        "v0.1-in256": 20,
+        "v0.2-tp": 9,
+        "v0.2-qps": 12,
+        "v0.2-input": 12,
+    }
+    assert {row.setting for row in ROWS} == {"nondisagg", "chunked", "rdma", "tcp"}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda row: row.label)
+def test_published_row_is_self_consistent(row) -> None:
+    """Catches transcription slips: throughputs follow from duration and token counts."""
+    assert row.completed == 200
+    assert row.total_output_tokens == 1200
+    assert all(value > 0 for value in row.metrics_ms.values())
+    for family in fidelity.FAMILIES:
+        assert row.metrics_ms[f"p99_{family}_ms"] >= row.metrics_ms[f"median_{family}_ms"]
+    # vLLM prints 2 decimals: the rounded duration allows ~0.1 % on the throughputs.
+    total = (row.total_input_tokens + row.total_output_tokens) / row.duration_s
+    assert row.total_token_throughput == pytest.approx(total, rel=2e-3)
+    assert row.request_throughput == pytest.approx(row.completed / row.duration_s, abs=7e-3)
+    # Each request has 5 gaps (out 6), so pooled mean ITL equals mean TPOT within rounding.
+    assert row.metrics_ms["mean_itl_ms"] == pytest.approx(row.metrics_ms["mean_tpot_ms"], rel=0.01)
+
+
+def test_mean_input_lengths_are_the_published_means() -> None:
+    lengths = {(row.doc, row.input_len): row.mean_input_len for row in ROWS}
+    assert lengths[("v0.1", 1024)] == 1012  # 202314 / 200
+    assert lengths[("v0.1", 256)] == 245  # 49054 / 200
+    assert lengths[("v0.2", 1024)] == 1010  # 201995 / 200
+    assert lengths[("v0.2", 8192)] == 8180  # 1636065 / 200
+
+
+def _engine_schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())["properties"]["engine"]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda row: row.label)
+def test_every_row_builds_a_valid_cell(row) -> None:
+    setup = fidelity.setup_for(row)
+    cell = setup.cell
+    assert cell is not None, setup.unsupported
+    assert cell.recipe in RECIPES
+    assert Cell.from_dict(cell.to_dict()) == cell
+    jsonschema.validate(dict(cell.engine), _engine_schema())
+    gpu_spec(cell.engine["gpu"])
+    load_architecture(cell.model.architecture)
+    assert cell.model.tensor_parallel == row.tp
+    assert len(cell.instance_gpus) == cell.mode.instances
+    assert all(len(group) == row.tp for group in cell.instance_gpus)
+    w = cell.workload
+    assert (w.qps, w.num_prompts, w.output_len, w.seed) == (row.qps, 200, 6, 0)
+    assert w.input_len + w.output_len <= cell.serving.max_model_len
+    identity(cell)
+    assert cell.path.endswith(".parquet")
+
+
+def test_modes_follow_the_published_setups() -> None:
+    by_setting = {row.setting: fidelity.setup_for(row).cell.mode for row in ROWS}
+    # Mooncake issue #5: the v0.1 non-disaggregated rows ran one A10 instance.
+    assert by_setting["nondisagg"].instances == 1
+    assert by_setting["chunked"].instances == 1
+    assert by_setting["chunked"].chunked_prefill is True
+    assert by_setting["rdma"].disaggregated and by_setting["rdma"].kv_protocol == "rdma"
+    assert by_setting["tcp"].disaggregated and by_setting["tcp"].kv_protocol == "tcp"
+    utilization = {
+        row.doc: fidelity.setup_for(row).cell.serving.gpu_memory_utilization for row in ROWS
+    }
+    assert utilization == {"v0.1": 0.95, "v0.2": 0.8}
+
+
+def test_approximations_are_flagged() -> None:
+    codes = {row.label: fidelity.setup_for(row).approximations for row in ROWS}
+    two_nic = [row for row in ROWS if row.nics == 2]
+    assert two_nic and all("2nic" in codes[row.label] for row in two_nic)
+    assert all(set(c) <= set(fidelity.APPROXIMATIONS) for c in codes.values())
+
+
+def test_band_counting() -> None:
+    assert fidelity.in_band(1.0) and fidelity.in_band(0.77) and fidelity.in_band(1.3)
+    assert not fidelity.in_band(0.76) and not fidelity.in_band(1.31)
+    assert not fidelity.in_band(None)

@@ -1,0 +1,206 @@
+"""The virtual-time driver: records, determinism, topologies."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from servebench.config import MODES, Cell, ModelSpec, Serving, Workload
+from servebench.engine.kvcache import ModelDoesNotFitError
+from servebench.simulate import round_robin_targets, simulate
+
+GPTQ_7B = ModelSpec(
+    "Qwen2.5-7B-Instruct-GPTQ-Int4",
+    "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",
+    "qwen2.5-7b",
+    "gptq-int4",
+    1,
+    ((0,), (4,)),
+)
+
+
+def cell(mode="nondisagg", recipe="v0", qps=4.0, n=40, jitter=0.0, model=GPTQ_7B) -> Cell:
+    return Cell(
+        backend="simulator",
+        recipe=recipe,
+        model=model,
+        mode=MODES[mode],
+        workload=Workload(qps, 1024, 6, n, 0, "random", 1.0, 1),
+        serving=Serving(10_000, 0.8),
+        engine={"gpu": "A100-SXM4-80GB", "jitter_cv": jitter},
+    )
+
+
+def ttft_ms(result) -> np.ndarray:
+    return np.array([(r.first_token_s - r.sent_s) * 1e3 for r in result.records if not r.warmup])
+
+
+def test_records_follow_the_trace_contract():
+    c = cell()
+    records = simulate(c).records
+    assert [r.request_id for r in records] == list(range(41))
+    warm, first = records[0], records[1]
+    assert warm.warmup and warm.sent_s < 0 and warm.end_s <= 0 < warm.end_s + 1
+    assert not first.warmup and first.scheduled_s == first.sent_s == 0.0
+    for r in records:
+        assert r.completion_tokens == 6 == len(r.chunk_s) and r.chunk_tokens == [1] * 6
+        assert r.first_token_s == r.chunk_s[0] and r.end_s == r.chunk_s[-1]
+        assert r.chunk_s == sorted(r.chunk_s) and r.first_token_s > r.sent_s
+        assert r.success and r.prompt_tokens == 1024
+
+
+@pytest.mark.parametrize("mode", ["single", "chunked", "mooncake-tcp"])
+@pytest.mark.parametrize("recipe", ["v0", "v1"])
+def test_deterministic_for_a_seed(mode, recipe):
+    c = cell(mode, recipe, jitter=0.05)
+    assert simulate(c).records == simulate(c).records
+    other = dataclasses.replace(c, workload=dataclasses.replace(c.workload, seed=1))
+    assert simulate(other).records != simulate(c).records
+
+
+def test_round_robin_warmup_takes_the_first_slot():
+    assert round_robin_targets(5, 2) == [0, 1, 0, 1, 0]
+
+
+def test_two_instances_halve_the_load():
+    single = simulate(cell("single", qps=8, n=100)).records
+    pair = simulate(cell("nondisagg", qps=8, n=100)).records
+    assert ttft_ms_of(pair).mean() < ttft_ms_of(single).mean()
+
+
+def ttft_ms_of(records) -> np.ndarray:
+    return np.array([(r.first_token_s - r.sent_s) * 1e3 for r in records if not r.warmup])
+
+
+@pytest.mark.parametrize("recipe", ["v0", "v1"])
+def test_disaggregated_ttft_includes_the_transfer(recipe):
+    low = 0.2  # requests never overlap
+    agg = ttft_ms(simulate(cell("nondisagg", recipe, qps=low, n=10)))
+    rdma = simulate(cell("mooncake-rdma", recipe, qps=low, n=10))
+    tcp = ttft_ms(simulate(cell("mooncake-tcp", recipe, qps=low, n=10)))
+    link = rdma.engine_parameters["kv_link"]
+    nbytes = rdma.engine_parameters["kv_bytes_per_prompt_token"] * 1024
+    transfer_ms = link["setup_ms"] + nbytes / (link["nic_gb_s"] * link["nics"] * 1e9) * 1e3
+    # The prefill instance's TTFT, two proxy hops, the transfer and a decode step.
+    assert ttft_ms(rdma).min() > agg.min() + transfer_ms
+    assert tcp.min() > ttft_ms(rdma).min()
+
+
+def test_v1_disaggregated_decode_is_not_stalled_by_prefills():
+    """V1 moves KV asynchronously: the decode instance never runs a prompt. V0 receives the KV
+    inside the decode instance's forward pass, so at 8 QPS of 1k prompts the receives (about
+    0.2 s each over the CPU path) starve its decodes."""
+
+    def tpot(records):
+        return np.mean([(r.end_s - r.first_token_s) / 5 for r in records if not r.warmup])
+
+    agg = simulate(cell("nondisagg", "v1", qps=8, n=100)).records
+    v1 = simulate(cell("mooncake-rdma", "v1", qps=8, n=100)).records
+    v0 = simulate(cell("mooncake-rdma", "v0", qps=8, n=100)).records
+    assert tpot(v1) < tpot(agg) < tpot(v0)
+
+
+def test_a_model_that_does_not_fit_fails_like_vllm():
+    big = ModelSpec(
+        "Qwen2.5-72B-Instruct", "Qwen/Qwen2.5-72B-Instruct", "qwen2.5-72b", "bf16", 1, ((0,),)
+    )
+    with pytest.raises(ModelDoesNotFitError, match=r"gpu_memory_utilization 0\.8"):
+        simulate(cell("single", model=big))
+
+
+def test_engine_parameters_describe_the_setup():
+    params = simulate(cell("mooncake-rdma", "v1", n=5)).engine_parameters
+    assert params["scheduler"]["max_num_batched_tokens"] == 2048
+    assert params["kv_cache"]["num_blocks"] > 0
+    assert params["topology"] == "disaggregated-v1"
+
+
+def test_engine_parameters_record_the_step_time_source():
+    params = simulate(cell("single", "v0", n=3)).engine_parameters
+    assert params["step_time_source"].startswith("aiconfigurator")
+    a10 = dataclasses.replace(cell("single", "v0", n=3), engine={"gpu": "A10-24GB", "jitter_cv": 0})
+    assert simulate(a10).engine_parameters["step_time_source"].startswith("roofline (")
+
+
+def test_max_num_batched_tokens_override_reaches_the_scheduler():
+    c = cell("chunked", "v0", n=3)
+    c = dataclasses.replace(c, serving=Serving(10_000, 0.8, max_num_batched_tokens=512))
+    assert simulate(c).engine_parameters["scheduler"]["max_num_batched_tokens"] == 512
+    unchunked = dataclasses.replace(c, mode=MODES["nondisagg"])
+    with pytest.raises(ValueError, match="smaller than max_model_len"):
+        simulate(unchunked)
+
+
+def test_v0_receive_stalls_decodes_on_the_consumer():
+    """A V0 receive is part of the decode instance's step: with a slow CPU chain, requests that
+    are decoding when another request's KV arrives see an inter-token gap of about the receive."""
+    slow = {"gpu": "A100-SXM4-80GB", "jitter_cv": 0.0, "kv_link": {"rank_cpu_gb_s": 0.05}}
+    c = dataclasses.replace(cell("mooncake-rdma", "v0", qps=8, n=40), engine=slow)
+    result = simulate(c)
+    receive_s = result.engine_parameters["v0_receive_ms"] * 1e-3
+    gaps = [
+        b - a for r in result.records for a, b in zip(r.chunk_s[:-1], r.chunk_s[1:], strict=True)
+    ]
+    assert receive_s > 1.0 and max(gaps) > receive_s
+
+
+def test_v0_buffer_full_stalls_the_prefill_instance():
+    small = {
+        "gpu": "A100-SXM4-80GB",
+        "jitter_cv": 0.0,
+        "kv_buffer_size": 6e8,  # nine 1k-token entries of 66 MB per rank: one full V0 batch
+        "kv_link": {"rank_cpu_gb_s": 0.1},
+    }
+    base = cell("mooncake-rdma", "v0", qps=8, n=30)
+    roomy = simulate(base)
+    stalled = simulate(dataclasses.replace(base, engine=small))
+    assert roomy.engine_parameters["prefill_buffer_stall_s"] == 0.0
+    assert stalled.engine_parameters["prefill_buffer_stall_s"] > 0.0
+    tiny = dataclasses.replace(base, engine={**small, "kv_buffer_size": 1.0})
+    with pytest.raises(RuntimeError, match="cannot hold one prefill batch"):
+        simulate(tiny)
+
+
+def test_more_nics_make_the_v1_transfer_faster():
+    base = cell("mooncake-tcp", "v1", qps=0.2, n=5)
+    one = ttft_ms(
+        simulate(dataclasses.replace(base, engine={"jitter_cv": 0, "kv_link": {"nics": 1}}))
+    )
+    four = ttft_ms(
+        simulate(dataclasses.replace(base, engine={"jitter_cv": 0, "kv_link": {"nics": 4}}))
+    )
+    assert four.max() < one.min()
+
+
+def test_engine_and_serving_knobs_are_validated_with_key_paths():
+    from servebench.config import ConfigError, load
+
+    raw = {
+        "models": {
+            "m": {"hf_id": "x/y", "architecture": "qwen2.5-7b", "tensor_parallel": 1, "gpus": [[0]]}
+        },
+        "studies": {
+            "s": {
+                "recipe": "v0",
+                "models": ["m"],
+                "modes": ["single"],
+                "qps": [1],
+                "input_len": [8],
+            }
+        },
+        "engine": {"kv_link": {"nics": 0}},
+    }
+    with pytest.raises(ConfigError, match=r"engine\.kv_link\.nics"):
+        load(raw)
+    raw["engine"] = {"kv_link": {"bandwidth": 1}}
+    with pytest.raises(ConfigError, match=r"engine\.kv_link"):
+        load(raw)
+    raw["engine"] = {}
+    raw["defaults"] = {"enforce_eager": "yes"}
+    with pytest.raises(ConfigError, match=r"defaults\.enforce_eager"):
+        load(raw)
+    raw["defaults"] = {"max_num_batched_tokens": 512}
+    cell = load(raw).all_cells()[0]
+    assert cell.serving.max_num_batched_tokens == 512 and cell.serving.enforce_eager is False
