@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import yaml
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
@@ -187,8 +186,10 @@ def _key_path(parts: Iterable[Any]) -> str:
     return text or "(top level)"
 
 
-def _validator(schema: Mapping[str, Any]) -> jsonschema.protocols.Validator:
+def _validator(schema: Mapping[str, Any]) -> Any:
     """A draft 2020-12 validator that also fills ``default`` values in place."""
+    import jsonschema  # here, not at the top: cell jobs only rebuild Cells and skip validation
+
     base = jsonschema.Draft202012Validator
 
     def set_defaults(validator, properties, instance, schema):
