@@ -66,3 +66,12 @@ def test_jitter_is_seeded_and_zero_cv_is_exact():
     assert Jitter(0.0, 3).factor() == 1.0
     a, b = Jitter(0.05, 7), Jitter(0.05, 7)
     assert [a.factor() for _ in range(5000)] == b.peek(5000)
+
+
+def test_decode_run_with_no_time_before_the_horizon_is_left_to_step():
+    # An event at "now" (a horizon of 0) leaves no room for a run; the caller steps instead.
+    inst = instance()
+    inst.add_request(Request(0, 10, 50))
+    inst.step()
+    assert inst.decode_run(0.0) is None
+    assert len(inst.decode_run(1.0).step_ends_s) > 1

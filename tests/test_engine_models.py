@@ -105,6 +105,46 @@ def test_link_late_transfer_slows_the_first():
     assert not link.busy()
 
 
+def test_link_finishes_a_residue_below_the_clock_resolution():
+    # The v1 disaggregated hang: at 512.71 s one ulp of the clock is 1.1e-13 s, and 0.0038 B
+    # left on an 80 GB/s link take 5e-14 s, so the next event time rounds to "now". The link
+    # must finish the residue instead of looping on it.
+    link = TransferLink(bandwidth_bytes_per_s=80e9, setup_s=0.0)
+    link._now = 512.71
+    link._flowing["a"] = 0.0038
+    assert link.next_event_s() == 512.71
+    assert link.advance(513.0) == [(512.71, "a")]
+    assert not link.busy()
+
+
+def test_link_terminates_on_rounded_shares_at_large_clock_values():
+    # Found by random search: with the old 1e-3-byte completion rule, the rounding of these
+    # shares at t ≈ 1000 s left a residue whose next event was "now", forever.
+    link = TransferLink(bandwidth_bytes_per_s=80e9, setup_s=0.001)
+    link.start(1000.0075795440295, 0, 5262969.163501081)
+    link.start(1000.0078379858903, 2, 25162799.867924456)
+    link.start(1000.0096546488636, 1, 52641437.868553855)
+    done = link.advance(1010.0)
+    assert [key for _, key in done] == [0, 2, 1]
+    # 0 and 2 share the link and have finished when 1 starts flowing, alone.
+    assert done[-1][0] == pytest.approx(1000.0106546488636 + 52641437.868553855 / 80e9, abs=1e-9)
+    assert not link.busy()
+
+
+def test_link_random_transfers_at_large_clock_values_all_complete():
+    import random
+
+    rng = random.Random(1)
+    for _ in range(300):
+        link = TransferLink(bandwidth_bytes_per_s=80e9, setup_s=0.001)
+        t0 = rng.choice([512.0, 1e3, 4096.0, 1e5])
+        starts = sorted(t0 + rng.random() * 0.01 for _ in range(4))
+        for key, start in enumerate(starts):
+            link.start(start, key, rng.random() * 1.3e8)
+        assert len(link.advance(t0 + 60.0)) == 4
+        assert not link.busy()
+
+
 def test_v0_receive_is_setup_cpu_chain_and_shared_wire():
     from servebench.engine.transfer import kv_link
 
@@ -121,6 +161,23 @@ def test_v0_receive_is_setup_cpu_chain_and_shared_wire():
     )
     with pytest.raises(KeyError, match=r"unknown engine\.kv_link key"):
         kv_link("v0", "rdma", 1, {"bandwidth": 1.0})
+
+
+def test_v0_tcp_costs_what_the_saturated_input_rows_show():
+    """v0 TCP and eRDMA share the A10 nodes' VPC wire: at TP 4 the per-request TCP penalty
+    over 1-NIC RDMA is the few ms Mooncake's in=1024 rows show and the ~30-40 ms their
+    duration-pinned in=4096/8192 rows show (docs/engine-model.md, "Calibration")."""
+    from servebench.engine.transfer import kv_link
+
+    rdma, tcp = kv_link("v0", "rdma", 4, None), kv_link("v0", "tcp", 4, None)
+    per_token = 21504  # Qwen2.5-7B at TP 4: KV heads' share + the full hidden state, bytes
+    extra_ms = {
+        n: (tcp.v0_receive_s(n * per_token) - rdma.v0_receive_s(n * per_token)) * 1e3
+        for n in (1010, 4092, 8180)
+    }
+    assert 3 < extra_ms[1010] < 12
+    assert 20 < extra_ms[4092] < 40
+    assert 35 < extra_ms[8180] < 60
 
 
 def test_lookup_buffer_refuses_inserts_while_over_capacity():

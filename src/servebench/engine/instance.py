@@ -117,41 +117,49 @@ class EngineInstance:
         self.scheduler = scheduler
         self.step_time = step_time
         self.jitter = jitter
-        self._cache: dict[StepBatch, float] = {}
-        self._decode_cache: dict[tuple[int, ...], float] = {}  # pure-decode batches by contexts
+        self._cache: dict[tuple[tuple[tuple[int, int], ...], tuple[int, ...]], float] = {}
+        # Pure-decode runs: base step times of the successive steps from a batch of contexts (a
+        # fixed-length workload starts its runs from few distinct batches).
+        self._decode_cache: dict[tuple[int, ...], list[float]] = {}
         self.steps = 0
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add(request)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        scheduler = self.scheduler
+        return bool(scheduler.running or scheduler.waiting)
 
     def decode_run(self, horizon_s: float) -> DecodeRun | None:
         """Run consecutive pure-decode steps while each starts before ``horizon_s`` (the time
         to the caller's next event, which could change the batch); None when the next step is
         not a pure decode of every running request. Same result as calling :meth:`step` that
         many times, at a fraction of the cost."""
+        if horizon_s <= 0:  # not even one step starts before the horizon
+            return None
         scheduler = self.scheduler
         max_steps = scheduler.decode_run_length()
         if max_steps < 2:
             return None
         requests = list(scheduler.running)
-        contexts = [r.num_computed + 1 for r in requests]
-        cache, model = self._decode_cache, self.step_time
-        if len(cache) >= STEP_CACHE_ENTRIES:
-            cache.clear()
+        start = tuple([r.num_computed + 1 for r in requests])
+        cache = self._decode_cache
+        bases = cache.get(start)
+        if bases is None:
+            if len(cache) >= STEP_CACHE_ENTRIES:
+                cache.clear()
+            bases = cache[start] = []
+        model = self.step_time
         ends: list[float] = []
         elapsed_ms = 0.0
         horizon_ms = horizon_s * 1e3
         for offset, factor in enumerate(self.jitter.peek(max_steps)):
             if elapsed_ms >= horizon_ms:
                 break
-            key = tuple([c + offset for c in contexts])
-            base_ms = cache.get(key)
-            if base_ms is None:
-                base_ms = cache[key] = model.step_ms(StepBatch((), key))
-            elapsed_ms += base_ms * factor
+            if offset == len(bases):
+                decodes = tuple([c + offset for c in start])
+                bases.append(model.step_ms(StepBatch((), decodes)))
+            elapsed_ms += bases[offset] * factor
             ends.append(elapsed_ms * 1e-3)
         self.jitter.skip(len(ends))
         finished = scheduler.advance_decodes(len(ends))
@@ -183,14 +191,20 @@ class EngineInstance:
                 decodes.append(request.num_computed + 1)
             else:
                 prefills.append((new, request.num_computed))
-        batch = StepBatch(tuple(prefills), tuple(decodes))
-        base_ms = self._cache.get(batch)
-        if base_ms is None:
-            base_ms = self.step_time.step_ms(batch)
-            if len(self._cache) >= STEP_CACHE_ENTRIES:
-                self._cache.clear()
-            self._cache[batch] = base_ms
+        base_ms = self._base_ms(tuple(prefills), tuple(decodes))
         emitted, finished = self.scheduler.complete(scheduled)
         self.steps += 1
         duration_s = (base_ms * self.jitter.factor() + receive_ms) * 1e-3
         return StepResult(duration_s, emitted, finished, len(scheduled.preempted), received)
+
+    def _base_ms(self, prefills: tuple[tuple[int, int], ...], decodes: tuple[int, ...]) -> float:
+        """The model's step time for the batch, memoised by its shape (a plain tuple key: the
+        ``StepBatch`` is only built when the model has to be asked)."""
+        key = (prefills, decodes)
+        base_ms = self._cache.get(key)
+        if base_ms is None:
+            base_ms = self.step_time.step_ms(StepBatch(prefills, decodes))
+            if len(self._cache) >= STEP_CACHE_ENTRIES:
+                self._cache.clear()
+            self._cache[key] = base_ms
+        return base_ms

@@ -198,8 +198,8 @@ class Scheduler:
             for request in finished:
                 pool.free(request.num_blocks)
                 request.num_blocks = 0
-            done = set(map(id, finished))
-            self.running = [r for r in self.running if id(r) not in done]
+            # Only the requests that just finished have all their tokens.
+            self.running = [r for r in self.running if r.num_generated < r.max_tokens]
         return emitted, finished
 
     def decode_run_length(self) -> int:
@@ -219,20 +219,22 @@ class Scheduler:
             if left < steps:
                 steps = left
         pool = self.pool
+        block_size = pool.block_size
         extra = 0
-        for request in self.running:
-            extra += pool.blocks_for(request.num_computed + steps) - request.num_blocks
+        for request in self.running:  # blocks each request grows into (ceiling division)
+            extra += -(-(request.num_computed + steps) // block_size) - request.num_blocks
         return steps if extra <= pool.free_blocks else 0
 
     def advance_decodes(self, steps: int) -> list[Request]:
         """Apply ``steps`` decode steps of every running request (after
         :meth:`decode_run_length` allowed them); returns the requests that finished."""
         pool = self.pool
+        block_size = pool.block_size
         finished = []
         for request in self.running:
             request.num_computed += steps
             request.num_generated += steps
-            extra = pool.blocks_for(request.num_computed) - request.num_blocks
+            extra = -(-request.num_computed // block_size) - request.num_blocks
             if extra > 0:
                 pool.allocate(extra)
                 request.num_blocks += extra
@@ -268,7 +270,9 @@ class Scheduler:
 
     def _schedule_running(self, step: ScheduledStep, budget: int) -> ScheduledStep:
         chunked = self.config.chunked_prefill
+        block_size = self.pool.block_size
         running = self.running
+        requests, new_tokens = step.requests, step.new_tokens
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -276,11 +280,13 @@ class Scheduler:
             new = need if need <= budget else (budget if chunked else 0)
             if new == 0:
                 break
-            while not self._grow(request, new):
-                if self._preempt_last(step) is request:
-                    return step
-            step.requests.append(request)
-            step.new_tokens.append(new)
+            # Most steps fit in the blocks a request holds; only growth needs the pool.
+            if -(-(request.num_computed + new) // block_size) > request.num_blocks:
+                while not self._grow(request, new):
+                    if self._preempt_last(step) is request:
+                        return step
+            requests.append(request)
+            new_tokens.append(new)
             budget -= new
             i += 1
         return step
@@ -293,8 +299,9 @@ class Scheduler:
         seats = config.max_num_seqs - len(self.running)
         while waiting and seats > 0:
             request = waiting[0]
-            need = request.num_tokens - request.num_computed
-            blocks = pool.blocks_for(request.num_tokens) - request.num_blocks
+            num_tokens = request.prompt_tokens + request.num_generated
+            need = num_tokens - request.num_computed
+            blocks = pool.blocks_for(num_tokens) - request.num_blocks
             if need > budget or not pool.can_admit(blocks):
                 break
             pool.allocate(blocks)
