@@ -304,15 +304,19 @@ class Scheduler:
             blocks = pool.blocks_for(num_tokens) - request.num_blocks
             if need > budget or not pool.can_admit(blocks):
                 break
-            pool.allocate(blocks)
-            request.num_blocks += blocks
-            waiting.popleft()
-            self.running.append(request)
-            step.requests.append(request)
-            step.new_tokens.append(need)
+            self._admit(step, need, blocks)
             budget -= need
             seats -= 1
         return step
+
+    def _admit(self, step: ScheduledStep, need: int, blocks: int) -> None:
+        """Move the head of the waiting queue into the running batch with ``need`` new tokens."""
+        request = self.waiting.popleft()
+        self.pool.allocate(blocks)
+        request.num_blocks += blocks
+        self.running.append(request)
+        step.requests.append(request)
+        step.new_tokens.append(need)
 
     def _admit_waiting(self, step: ScheduledStep) -> None:
         config, pool, waiting = self.config, self.pool, self.waiting
@@ -328,11 +332,6 @@ class Scheduler:
             blocks = pool.blocks_for(request.num_computed + need) - request.num_blocks
             if not pool.can_admit(blocks):
                 break
-            pool.allocate(blocks)
-            request.num_blocks += blocks
-            waiting.popleft()
-            self.running.append(request)
-            step.requests.append(request)
-            step.new_tokens.append(need)
+            self._admit(step, need, blocks)
             budget -= need
             seats -= 1
