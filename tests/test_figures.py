@@ -16,6 +16,7 @@ from servebench.figures import (
     latency_panels,
     series_order,
     use_log_x,
+    use_log_y,
     write_study_figures,
 )
 
@@ -166,3 +167,10 @@ def test_bad_summary_is_named(tmp_path: Path, summary: pl.DataFrame, x: str, mes
     with pytest.raises(ValueError, match=message):
         write_study_figures(summary, "t", x, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_log_y_only_when_one_panel_spans_orders_of_magnitude() -> None:
+    assert use_log_y([60.0, 70.0, 24_000.0])
+    assert not use_log_y([60.0, 70.0, 900.0])
+    assert not use_log_y([0.0, 0.5, 12_000.0])  # a zero has no place on a log axis
+    assert not use_log_y([])

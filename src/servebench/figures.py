@@ -9,6 +9,7 @@ Vega libraries inlined, so both render without network access.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ STATISTICS = {"mean": "Mean", "median": "Median", "p99": "P99"}
 PANEL_WIDTH = 260
 PANEL_HEIGHT = 200
 LOG_X_RATIO = 8.0
+LOG_Y_RATIO = 50.0
 
 
 @dataclass(frozen=True)
@@ -107,11 +109,25 @@ def use_log_x(x_values: list[float]) -> bool:
     return len(x_values) > 2 and x_values[0] > 0 and x_values[-1] / x_values[0] >= LOG_X_RATIO
 
 
+def use_log_y(values: list[float]) -> bool:
+    """A log y axis when one panel's lines differ by LOG_Y_RATIO or more.
+
+    A saturated configuration (seconds of TTFT) otherwise flattens every healthy one (tens of
+    ms) onto the zero line, and the comparison the figure exists for disappears. Only when every
+    value is positive: a zero (TPOT of one-token requests) has no place on a log axis.
+    """
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if len(finite) < 2 or min(finite) <= 0:
+        return False
+    return max(finite) / min(finite) >= LOG_Y_RATIO
+
+
 def _panel_chart(
     data: pl.DataFrame, panel: Panel, x: str, layout: Layout, order: list[str]
 ) -> alt.Chart:
     x_values = sorted(data[x].unique().to_list())
     log = use_log_x(x_values)
+    log_y = use_log_y(data[panel.column].to_list())
     legend = alt.Legend(title=layout.series.capitalize(), symbolType="stroke", symbolStrokeWidth=3)
     return (
         alt.Chart(
@@ -130,7 +146,11 @@ def _panel_chart(
                 ),
                 axis=alt.Axis(values=x_values, format="~f"),
             ),
-            y=alt.Y(f"{panel.column}:Q", title=panel.y_title, scale=alt.Scale(zero=True)),
+            y=alt.Y(
+                f"{panel.column}:Q",
+                title=panel.y_title + (" — log scale" if log_y else ""),
+                scale=alt.Scale(type="log") if log_y else alt.Scale(zero=True),
+            ),
             color=alt.Color(f"{layout.series}:N", sort=order, legend=legend),
             tooltip=[
                 alt.Tooltip(f"{layout.series}:N"),
