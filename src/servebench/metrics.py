@@ -28,21 +28,11 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from servebench.trace import REQUEST_COLUMNS
+
 SLO_KEYS = ("ttft", "tpot", "e2el")
 PERCENTILES = (90, 95, 99)
-REQUIRED_COLUMNS = (
-    "request_id",
-    "warmup",
-    "scheduled_s",
-    "sent_s",
-    "first_token_s",
-    "end_s",
-    "chunk_s",
-    "prompt_tokens",
-    "completion_tokens",
-    "success",
-    "error",
-)
+REQUIRED_COLUMNS = tuple(REQUEST_COLUMNS)
 
 
 class MetricsError(ValueError):

@@ -22,7 +22,7 @@ import gc
 import heapq
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from math import inf
 from typing import Any
 
@@ -221,45 +221,25 @@ def _records(
     sends: np.ndarray,
     chunks: list[list[float]],
     input_len: int,
-    output_len: int,
 ) -> list[RequestRecord]:
     """Client records: warm-ups first (``warmup=True``), then measured requests 0..N-1."""
     send_times = [*warmup_sends, *sends.tolist()]
-    # Positional arguments in the order of _RECORD_FIELDS: half the cost of keywords, which
-    # matters at 100,000 records.
     return [
         RequestRecord(
-            index,
-            index < workload_warmups,
-            sent,
-            sent,
-            times[0],
-            times[-1],
-            times,
-            [1] * len(times),
-            input_len,
-            len(times),
-            True,
+            request_id=index,
+            warmup=index < workload_warmups,
+            scheduled_s=sent,
+            sent_s=sent,
+            first_token_s=times[0],
+            end_s=times[-1],
+            chunk_s=times,
+            chunk_tokens=[1] * len(times),
+            prompt_tokens=input_len,
+            completion_tokens=len(times),
+            success=True,
         )
         for index, (sent, times) in enumerate(zip(send_times, chunks, strict=True))
     ]
-
-
-_RECORD_FIELDS = (
-    "request_id",
-    "warmup",
-    "scheduled_s",
-    "sent_s",
-    "first_token_s",
-    "end_s",
-    "chunk_s",
-    "chunk_tokens",
-    "prompt_tokens",
-    "completion_tokens",
-    "success",
-)
-if tuple(f.name for f in fields(RequestRecord))[: len(_RECORD_FIELDS)] != _RECORD_FIELDS:
-    raise ImportError("RequestRecord's fields changed: update _records and _RECORD_FIELDS")
 
 
 def round_robin_targets(num_requests: int, num_instances: int) -> list[int]:
@@ -307,7 +287,7 @@ class _RoundRobin:
             per_instance[targets[k]].append((sent + hop_in, Request(k, input_len, output_len)))
         for instance, arrivals in zip(self.instances, per_instance, strict=True):
             _run_instance(instance, arrivals, chunks, hop_out)
-        return _records(w.warmup_requests, warm_sends, sends, chunks, w.input_len, w.output_len)
+        return _records(w.warmup_requests, warm_sends, sends, chunks, w.input_len)
 
 
 def _run_instance(
@@ -433,9 +413,7 @@ class _Disaggregated:
         for k in range(w.warmup_requests):
             self.chunks[k] = [t - clock for t in self.chunks[k]]
         self._run([(sent, w.warmup_requests + i) for i, sent in enumerate(sends.tolist())])
-        return _records(
-            w.warmup_requests, warm_sends, sends, self.chunks, w.input_len, w.output_len
-        )
+        return _records(w.warmup_requests, warm_sends, sends, self.chunks, w.input_len)
 
     def _push(self, time: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._events, (time, self._seq, kind, payload))
