@@ -372,6 +372,17 @@ class _Disaggregated:
         self._v0_receive_contended_ms = (
             self.link_config.v0_receive_s(self._buffer_entry_bytes, True) * 1e3
         )
+        # V0 receives inside the decoder's step; V1 adds a transfer at least this long.
+        self._link_min_s = (
+            0.0 if cell.recipe == "v0" else self.link.duration_alone_s(self._transfer_bytes)
+        )
+        # Least time from an event of each kind to a request joining the decoder.
+        self._event_leads = {
+            _PREFILL_DONE: self._decode_hop_s + self._link_min_s,
+            _ARRIVE_DECODE: self._link_min_s,
+            _LINK: 0.0,
+            _DECODE_DONE: 0.0,
+        }
         self._handlers = {
             _ARRIVE_PREFILL: self._on_arrive_prefill,
             _PREFILL_DONE: self._on_prefill_done,
@@ -449,7 +460,10 @@ class _Disaggregated:
                 self._start(prefill, _PREFILL_DONE, now, next_event, producer_busy=False)
                 self._prefill_busy = True
             if not self._decode_busy and decode.has_work():
-                self._start(decode, _DECODE_DONE, now, next_event, self._prefill_busy)
+                # A waiting request rules out a decode run: no horizon needed then.
+                waiting = decode.scheduler.waiting
+                horizon = now if waiting else self._decode_horizon(arrivals[i][0])
+                self._start(decode, _DECODE_DONE, now, horizon, self._prefill_busy)
                 self._decode_busy = True
         if self._inserting:
             raise RuntimeError(
@@ -474,6 +488,21 @@ class _Disaggregated:
             self._push(now + result.duration_s, done_kind, (now, result))
         else:
             self._push(now + run.step_ends_s[-1], done_kind, (now, run))
+
+    def _decode_horizon(self, next_arrival: float) -> float:
+        """Earliest time an event could change the decode batch: a decode run may go on until
+        then. Only a request joining the decoder changes its batch; prefill-side events lead
+        to one no sooner than the proxy hop (and, in V1, a transfer with the link to itself)
+        later, so a decode run need not stop at each of them. An arrival counts only while
+        the prefill instance is idle: while it is busy, its completion event bounds them all.
+        The decoder's steps are the same either way; only the runs that sum them differ."""
+        to_decoder = self._decode_hop_s + self._link_min_s
+        horizon = inf if self._prefill_busy else next_arrival + to_decoder
+        leads = self._event_leads
+        for time, _, kind, _ in self._events:
+            if time + leads[kind] < horizon:
+                horizon = time + leads[kind]
+        return horizon
 
     def _insert(self, now: float) -> None:
         """V0 producer: put the finished prefill batch's KV into the lookup buffer; the batch's
