@@ -149,3 +149,14 @@ def _write_all(targets: Sequence[tuple[Path, Callable[[Path], object]]]) -> None
     with contextlib.ExitStack() as stack:
         for target, write in targets:
             write(stack.enter_context(atomic_path(target)))
+
+
+def check_one_row_per_point(summary: pl.DataFrame, x: str) -> None:
+    """Raise ValueError if a (model, mode, x) point has several rows: a line needs one per x."""
+    duplicated = summary.filter(pl.struct("model", "mode", x).is_duplicated())
+    if not duplicated.is_empty():
+        first = duplicated.row(0, named=True)
+        raise ValueError(
+            f"study summary has several rows for model {first['model']!r}, mode "
+            f"{first['mode']!r}, {x}={first[x]}: one row per configuration and x is needed"
+        )

@@ -16,6 +16,7 @@ from pathlib import Path
 import altair as alt
 import polars as pl
 
+from servebench.aggregate import check_one_row_per_point
 from servebench.config import MODES
 from servebench.files import atomic_path
 
@@ -84,13 +85,7 @@ def _check(summary: pl.DataFrame, x: str, columns: list[str]) -> None:
         raise ValueError(f"study summary lacks column(s): {', '.join(missing)}")
     if summary.is_empty():
         raise ValueError("study summary has no rows")
-    duplicated = summary.filter(pl.struct("model", "mode", x).is_duplicated())
-    if not duplicated.is_empty():
-        first = duplicated.row(0, named=True)
-        raise ValueError(
-            f"study summary has several rows for model {first['model']!r}, mode "
-            f"{first['mode']!r}, {x}={first[x]}: one line per configuration needs one row per x"
-        )
+    check_one_row_per_point(summary, x)
 
 
 def series_order(summary: pl.DataFrame, column: str) -> list[str]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
+from servebench.aggregate import check_one_row_per_point
 from servebench.config import MODES
 
 SATURATION_JUMP = 2.0
@@ -398,13 +399,7 @@ def _check(summary: pl.DataFrame, x: str) -> None:
     missing = [c for c in REQUIRED if c not in summary.columns]
     if missing:
         raise ValueError(f"study summary lacks column(s): {', '.join(missing)}")
-    duplicated = summary.filter(pl.struct("model", "mode", x).is_duplicated())
-    if not duplicated.is_empty():
-        first = duplicated.row(0, named=True)
-        raise ValueError(
-            f"study summary has several rows for model {first['model']!r}, mode "
-            f"{first['mode']!r}, {x}={first[x]}: findings need one row per configuration and x"
-        )
+    check_one_row_per_point(summary, x)
 
 
 def _clean(summary: pl.DataFrame) -> pl.DataFrame:
