@@ -19,7 +19,12 @@ Setup of every row, as the published runs had it (reference/vllm-mooncake-spec.m
   (``max_num_batched_tokens``), v0.2 rows with TP > 1 ``enforce_eager`` (the Dec 2024 doc
   required ``--enforce-eager`` with TP), 2-NIC rows ``engine.kv_link.nics = 2``.
 
-Usage: ``python benchmarks/fidelity.py [--table v0.2-qps ...] [--csv out.csv]``.
+Usage: ``python benchmarks/fidelity.py [--table v0.2-qps ...] [--seeds K] [--csv out.csv]``.
+
+``--seeds K`` also re-simulates every row with seeds 0..K-1 (new Poisson arrivals and step
+jitter, as a re-run of the published benchmark would draw) and reports, for each ratio outside
+the band at seed 0, whether the published value lies inside the range the K runs predict: such a
+miss is within the run-to-run variation of one 200-request run, not a model error.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from servebench.cell import identity
@@ -253,6 +259,31 @@ def compare(setups: Iterable[Setup]) -> list[Comparison]:
     return comparisons
 
 
+def reseeded(setups: Sequence[Setup], seed: int) -> list[Setup]:
+    """The simulated setups with the workload's seed replaced (new arrivals and step jitter)."""
+    return [
+        replace(s, cell=replace(s.cell, workload=replace(s.cell.workload, seed=seed)))
+        for s in setups
+        if s.cell is not None
+    ]
+
+
+Ranges = dict[str, dict[str, tuple[float, float]]]
+"""Per row label and metric: the (lowest, highest) prediction over several runs."""
+
+
+def prediction_range(runs: Sequence[Sequence[Comparison]]) -> Ranges:
+    """Per row label and metric: the (lowest, highest) prediction over several runs."""
+    ranges: Ranges = {}
+    for run in runs:
+        for comparison in run:
+            row_ranges = ranges.setdefault(comparison.setup.row.label, {})
+            for metric, value in comparison.predicted_ms.items():
+                low, high = row_ranges.get(metric, (value, value))
+                row_ranges[metric] = (min(low, value), max(high, value))
+    return ranges
+
+
 def in_band(ratio: float | None) -> bool:
     return ratio is not None and BAND[0] <= ratio <= BAND[1]
 
@@ -340,6 +371,49 @@ def format_counts(comparisons: Sequence[Comparison]) -> list[str]:
     return lines
 
 
+def count_in_band(comparisons: Sequence[Comparison]) -> int:
+    return sum(in_band(c.ratio(metric)) for c in comparisons for metric in METRICS)
+
+
+def format_spread(runs: Sequence[Sequence[Comparison]]) -> list[str]:
+    """Each ratio outside the band in the first run (seed 0), with its range over all runs; ``*``
+    marks a published value inside the predicted range (a miss within run-to-run variation)."""
+    comparisons, seeds = runs[0], len(runs)
+    spread = prediction_range(runs)
+    width = max(len(c.setup.row.label) for c in comparisons)
+    lines = [
+        f"== Run-to-run spread over seeds 0..{seeds - 1}: ratios outside the band at seed 0, "
+        "with their range over the seeds (* = published value inside the predicted range)"
+    ]
+    misses = within = 0
+    for comparison in comparisons:
+        row = comparison.setup.row
+        parts = []
+        for metric in METRICS:
+            ratio = comparison.ratio(metric)
+            if ratio is None or in_band(ratio):
+                continue
+            low, high = spread[row.label][metric]
+            published = row.metrics_ms[metric]
+            inside = low <= published <= high
+            misses += 1
+            within += inside
+            parts.append(
+                f"{metric.removesuffix('_ms')} {ratio:.2f} "
+                f"[{low / published:.2f}-{high / published:.2f}]{'*' if inside else ''}"
+            )
+        if parts:
+            lines.append(f"{row.label:<{width}} | " + ", ".join(parts))
+    counts = [count_in_band(run) for run in runs]
+    lines += [
+        f"outside the band at seed 0: {misses}; published value inside the range of "
+        f"{seeds} seeds: {within}",
+        f"ratios in band per seed: {', '.join(map(str, counts))} "
+        f"(median {statistics.median(counts):g} of {len(METRICS) * len(comparisons)})",
+    ]
+    return lines
+
+
 def write_csv(comparisons: Sequence[Comparison], path: Path) -> None:
     """Long format: one line per (row, metric) with predicted, published and ratio."""
     with path.open("w", newline="") as handle:
@@ -364,6 +438,13 @@ def write_csv(comparisons: Sequence[Comparison], path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--table", action="append", help="only this published table (repeatable)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        metavar="K",
+        help="also simulate seeds 0..K-1 and report run-to-run spread of the misses",
+    )
     parser.add_argument("--csv", type=Path, help="also write the comparison here (long format)")
     args = parser.parse_args(argv)
     rows = load_published()
@@ -372,10 +453,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown table(s) {sorted(unknown)}")
         rows = [row for row in rows if row.table in args.table]
-    comparisons = compare(setup_for(row) for row in rows)
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
+    setups = [setup_for(row) for row in rows]
+    comparisons = compare(setups)
     blocks = [format_setups(comparisons)]
     blocks += [format_family(comparisons, family) for family in FAMILIES]
     blocks.append(format_counts(comparisons))
+    if args.seeds > 1:
+        runs = [comparisons] + [compare(reseeded(setups, seed)) for seed in range(1, args.seeds)]
+        blocks.append(format_spread(runs))
     print("\n\n".join("\n".join(block) for block in blocks))
     if args.csv:
         write_csv(comparisons, args.csv)

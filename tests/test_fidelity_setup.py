@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
@@ -135,3 +136,34 @@ def test_band_counting() -> None:
     assert fidelity.in_band(1.0) and fidelity.in_band(0.77) and fidelity.in_band(1.3)
     assert not fidelity.in_band(0.76) and not fidelity.in_band(1.31)
     assert not fidelity.in_band(None)
+
+
+def test_reseeding_changes_only_the_seed() -> None:
+    setups = [fidelity.setup_for(row) for row in ROWS[:3]]
+    for original, moved in zip(setups, fidelity.reseeded(setups, 7), strict=True):
+        assert moved.cell.workload.seed == 7
+        assert moved.row == original.row
+        assert replace(moved.cell.workload, seed=0) == original.cell.workload
+        assert moved.cell.model == original.cell.model
+
+
+def _comparison(row, scale: float):
+    """A comparison predicting ``scale`` times every published value of ``row``."""
+    predicted = {metric: value * scale for metric, value in row.metrics_ms.items()}
+    return fidelity.Comparison(fidelity.setup_for(row), predicted, row.duration_s)
+
+
+def test_spread_marks_misses_inside_the_seed_range() -> None:
+    """Seed 0 predicts 0.5x (every ratio a miss); other seeds 0.9x and 1.6x bracket the
+    published values, so every miss is within run-to-run spread; a 0.5x/0.6x pair is not."""
+    row = ROWS[0]
+    bracketing = [[_comparison(row, 0.5)], [_comparison(row, 0.9)], [_comparison(row, 1.6)]]
+    lines = fidelity.format_spread(bracketing)
+    assert "mean_ttft 0.50 [0.50-1.60]*" in lines[1]
+    assert lines[-2] == (
+        "outside the band at seed 0: 9; published value inside the range of 3 seeds: 9"
+    )
+    assert lines[-1] == "ratios in band per seed: 0, 9, 0 (median 0 of 9)"
+    low = fidelity.format_spread([[_comparison(row, 0.5)], [_comparison(row, 0.6)]])
+    assert "mean_ttft 0.50 [0.50-0.60]," in low[1]
+    assert low[-2].endswith("inside the range of 2 seeds: 0")
