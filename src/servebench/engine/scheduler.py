@@ -153,16 +153,18 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool):
         self.config = config
+        self._prefill_first = config.policy == "prefill_first"
         self.pool = pool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
-        need = self.pool.blocks_for(request.prompt_tokens + request.max_tokens)
-        if need > self.pool.num_blocks:
+        pool = self.pool
+        tokens = request.prompt_tokens + request.max_tokens
+        if tokens > pool.num_blocks * pool.block_size:  # needs more blocks than the pool has
             raise ValueError(
-                f"request {request.request_id} needs {need} KV blocks but the pool has "
-                f"{self.pool.num_blocks}"
+                f"request {request.request_id} needs {pool.blocks_for(tokens)} KV blocks but "
+                f"the pool has {pool.num_blocks}"
             )
         self.waiting.append(request)
 
@@ -170,14 +172,16 @@ class Scheduler:
         return bool(self.running) or bool(self.waiting)
 
     def schedule(self) -> ScheduledStep:
-        if self.config.policy == "prefill_first":
-            step = self._admit_whole_prompts()
-            if step.requests:
-                return step
-            return self._schedule_running(step, budget=self.config.max_num_batched_tokens)
-        step = self._schedule_running(ScheduledStep(), self.config.max_num_batched_tokens)
-        if not (step.preempted and self.config.preempt_blocks_admission):
-            self._admit_waiting(step)
+        config = self.config
+        step = ScheduledStep([], [], [])
+        if self._prefill_first:
+            self._admit_whole_prompts(step)
+            if not step.requests:
+                self._schedule_running(step, config.max_num_batched_tokens)
+            return step
+        budget = self._schedule_running(step, config.max_num_batched_tokens)
+        if self.waiting and not (step.preempted and config.preempt_blocks_admission):
+            self._admit_waiting(step, budget)
         return step
 
     def complete(self, step: ScheduledStep) -> tuple[list[Request], list[Request]]:
@@ -268,14 +272,16 @@ class Scheduler:
         step.preempted.append(victim)
         return victim
 
-    def _schedule_running(self, step: ScheduledStep, budget: int) -> ScheduledStep:
+    def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
+        """Schedule the running requests in admission order; returns the budget left."""
         chunked = self.config.chunked_prefill
         block_size = self.pool.block_size
-        running = self.running
         requests, new_tokens = step.requests, step.new_tokens
-        i = 0
-        while i < len(running) and budget > 0:
-            request = running[i]
+        # Preemption pops from the back of the running list: its iterator sees that, as it
+        # checks the list's length at each step.
+        for request in self.running:
+            if budget <= 0:
+                break
             need = request.prompt_tokens + request.num_generated - request.num_computed
             new = need if need <= budget else (budget if chunked else 0)
             if new == 0:
@@ -284,16 +290,14 @@ class Scheduler:
             if -(-(request.num_computed + new) // block_size) > request.num_blocks:
                 while not self._grow(request, new):
                     if self._preempt_last(step) is request:
-                        return step
+                        return budget
             requests.append(request)
             new_tokens.append(new)
             budget -= new
-            i += 1
-        return step
+        return budget
 
-    def _admit_whole_prompts(self) -> ScheduledStep:
+    def _admit_whole_prompts(self, step: ScheduledStep) -> None:
         """V0 prefill admission: whole prompts, FCFS, budget, seats and the watermark."""
-        step = ScheduledStep()
         config, pool, waiting = self.config, self.pool, self.waiting
         budget = config.max_num_batched_tokens
         seats = config.max_num_seqs - len(self.running)
@@ -307,7 +311,6 @@ class Scheduler:
             self._admit(step, need, blocks)
             budget -= need
             seats -= 1
-        return step
 
     def _admit(self, step: ScheduledStep, need: int, blocks: int) -> None:
         """Move the head of the waiting queue into the running batch with ``need`` new tokens."""
@@ -318,13 +321,13 @@ class Scheduler:
         step.requests.append(request)
         step.new_tokens.append(need)
 
-    def _admit_waiting(self, step: ScheduledStep) -> None:
+    def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
+        """Admit waiting requests FCFS into what is left of the token ``budget``."""
         config, pool, waiting = self.config, self.pool, self.waiting
-        budget = config.max_num_batched_tokens - sum(step.new_tokens)
         seats = config.max_num_seqs - len(self.running)
         while waiting and seats > 0 and budget > 0:
             request = waiting[0]
-            need = request.num_tokens - request.num_computed
+            need = request.prompt_tokens + request.num_generated - request.num_computed
             if need > budget:
                 if not config.chunked_prefill:
                     break
