@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass
+from math import inf
 from typing import Any
 
 
@@ -208,7 +209,10 @@ NO_PROXY = ProxyHop(0.0, 0.0)
 
 
 class TransferLink:
-    """Processor-sharing link; keys identify transfers and come back on completion."""
+    """Processor-sharing link; keys identify transfers and come back on completion.
+
+    The time the first flowing transfer drains is cached between changes of the flows (a
+    driver asks for the next event after every event, far more often than flows change)."""
 
     def __init__(self, bandwidth_bytes_per_s: float, setup_s: float):
         if bandwidth_bytes_per_s <= 0:
@@ -220,6 +224,7 @@ class TransferLink:
         self._pending: list[tuple[float, int, Any, float]] = []  # (flow start, seq, key, bytes)
         self._seq = 0
         self._completed: list[tuple[float, Any]] = []
+        self._drain_at: float | None = None  # None: flows changed since it was computed
 
     def duration_alone_s(self, nbytes: float) -> float:
         """Setup plus bytes at full bandwidth: a transfer that has the link to itself."""
@@ -235,11 +240,12 @@ class TransferLink:
 
     def next_event_s(self) -> float:
         """Time of the next completion or flow start (inf when idle)."""
-        nxt = self._pending[0][0] if self._pending else float("inf")
-        if self._flowing:
-            done = self._now + self._time_left_s(min(self._flowing.values()))
-            nxt = min(nxt, done)
-        return nxt
+        done = self._drain_at
+        if done is None:
+            done = self._drain_at = self._drain_time_s()
+        if self._pending and self._pending[0][0] < done:
+            return self._pending[0][0]
+        return done
 
     def advance(self, now: float) -> list[tuple[float, Any]]:
         """Move the link to ``now``; return (completion time, key) of transfers that finished
@@ -247,6 +253,12 @@ class TransferLink:
         self._advance_to(now)
         completed, self._completed = self._completed, []
         return completed
+
+    def _drain_time_s(self) -> float:
+        """When the flowing transfer with the fewest bytes left finishes (inf when none)."""
+        if not self._flowing:
+            return inf
+        return self._now + self._time_left_s(min(self._flowing.values()))
 
     def _time_left_s(self, remaining_bytes: float) -> float:
         """Time for ``remaining_bytes`` at the current share of the bandwidth."""
@@ -261,6 +273,7 @@ class TransferLink:
         ulp is 1.1e-13 s) is finished where it stands, since no later clock value could ever
         drain it; without that the next event would stay at "now" forever.
         """
+        pending = self._pending
         while True:
             nxt = self.next_event_s()
             if nxt > now:
@@ -269,10 +282,12 @@ class TransferLink:
             self._progress(nxt)
             finished = self._finish_drained(nxt)
             started = False
-            while self._pending and self._pending[0][0] <= nxt:
-                _, _, key, nbytes = heapq.heappop(self._pending)
+            while pending and pending[0][0] <= nxt:
+                _, _, key, nbytes = heapq.heappop(pending)
                 self._flowing[key] = nbytes
                 started = True
+            if started:
+                self._drain_at = None
             if not (finished or started or self._now > before):
                 # Unreachable by the argument above; kept so the loop cannot spin.
                 self._finish(min(self._flowing, key=self._flowing.__getitem__), nxt)
@@ -295,12 +310,15 @@ class TransferLink:
     def _finish(self, key: Any, t: float) -> None:
         del self._flowing[key]
         self._completed.append((t, key))
+        self._drain_at = None
 
     def _progress(self, t: float) -> None:
         if t <= self._now:
             return
-        if self._flowing:
-            share = (t - self._now) * self.bandwidth_bytes_per_s / len(self._flowing)
-            for key in self._flowing:
-                self._flowing[key] -= share
+        flowing = self._flowing
+        if flowing:
+            share = (t - self._now) * self.bandwidth_bytes_per_s / len(flowing)
+            for key in flowing:
+                flowing[key] -= share
+            self._drain_at = None
         self._now = t
