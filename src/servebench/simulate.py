@@ -325,7 +325,7 @@ def _run_instance(
             chunks[request.request_id].append(seen)
 
 
-_ARRIVE_PREFILL, _PREFILL_DONE, _ARRIVE_DECODE, _LINK, _DECODE_DONE = range(5)
+_ARRIVE_PREFILL, _PREFILL_DONE, _ARRIVE_DECODE, _ARRIVE_TRANSFER, _LINK, _DECODE_DONE = range(6)
 
 
 class _Disaggregated:
@@ -380,6 +380,7 @@ class _Disaggregated:
         self._event_leads = {
             _PREFILL_DONE: self._decode_hop_s + self._link_min_s,
             _ARRIVE_DECODE: self._link_min_s,
+            _ARRIVE_TRANSFER: self._link_min_s,
             _LINK: 0.0,
             _DECODE_DONE: 0.0,
         }
@@ -387,6 +388,7 @@ class _Disaggregated:
             _ARRIVE_PREFILL: self._on_arrive_prefill,
             _PREFILL_DONE: self._on_prefill_done,
             _ARRIVE_DECODE: self._on_arrive_decode,
+            _ARRIVE_TRANSFER: self._on_arrive_transfer,
             _LINK: self._on_link,
             _DECODE_DONE: self._on_decode_done,
         }
@@ -438,6 +440,7 @@ class _Disaggregated:
         event (the queue is empty when a run starts)."""
         hop_in = self.hop.request_ms * 1e-3
         arrivals = sorted((sent + hop_in, k) for sent, k in sends)
+        last = len(arrivals)
         arrivals.append((inf, -1))  # sentinel: no more arrivals
         events, handlers = self._events, self._handlers
         prefill, decode = self.prefill, self.decode
@@ -450,13 +453,19 @@ class _Disaggregated:
                 now = arrival_at
                 self._on_arrive_prefill(now, arrivals[i][1])
                 i += 1
+                if self._prefill_busy or self._prefill_blocked:
+                    # Nothing else can start: take the arrivals up to the next event at once.
+                    until = events[0][0] if events else inf
+                    while i < last and arrivals[i][0] <= until:
+                        self._on_arrive_prefill(arrivals[i][0], arrivals[i][1])
+                        i += 1
             else:
                 now, _, kind, payload = heapq.heappop(events)
                 handlers[kind](now, payload)
-            next_event = arrivals[i][0]
-            if events and events[0][0] < next_event:
-                next_event = events[0][0]
             if not (self._prefill_blocked or self._prefill_busy) and prefill.has_work():
+                next_event = arrivals[i][0]
+                if events and events[0][0] < next_event:
+                    next_event = events[0][0]
                 self._start(prefill, _PREFILL_DONE, now, next_event, producer_busy=False)
                 self._prefill_busy = True
             if not self._decode_busy and decode.has_work():
@@ -533,24 +542,29 @@ class _Disaggregated:
         if self.generation == "v0":
             self._inserting.extend(finished)
             self._insert(now)
-        else:
-            for request_id in finished:
-                self._push(now + self._decode_hop_s, _ARRIVE_DECODE, request_id)
+        elif finished:
+            self._push(now + self._decode_hop_s, _ARRIVE_TRANSFER, finished)
 
     def _on_arrive_decode(self, now: float, request_id: int) -> None:
-        if self.generation == "v0":
-            self.decode.add_request(
-                Request(
-                    request_id,
-                    self._input_len,
-                    self._output_len,
-                    receive_ms=self._v0_receive_ms,
-                    receive_contended_ms=self._v0_receive_contended_ms,
-                )
+        """V0: the request reaches the decoder, which receives its KV in its next step."""
+        self.decode.add_request(
+            Request(
+                request_id,
+                self._input_len,
+                self._output_len,
+                receive_ms=self._v0_receive_ms,
+                receive_contended_ms=self._v0_receive_contended_ms,
             )
-        else:
+        )
+
+    def _on_arrive_transfer(self, now: float, request_ids: list[int]) -> None:
+        """V1: a prefill batch's requests reach the decoder, which starts pulling their KV.
+
+        One event for the batch: events at one time run back to back, and starting a
+        transfer changes neither instance, so nothing could happen between them."""
+        for request_id in request_ids:
             self.link.start(now, request_id, self._transfer_bytes)
-            self._schedule_link()
+        self._schedule_link()
 
     def _on_link(self, now: float, payload: None) -> None:
         self._link_event_at = inf
