@@ -155,10 +155,8 @@ def test_v0_receive_is_setup_cpu_chain_and_shared_wire():
     assert link.v0_receive_s(100e6) == pytest.approx(0.002 + 0.02 + 0.16 + 0.2)
     two = kv_link("v0", "rdma", 4, knobs | {"nics": 2})
     assert two.v0_receive_s(100e6) == pytest.approx(0.002 + 0.02 + 0.16 + 0.1)
-    # A busy producer: its half of the CPU chain runs at half speed (GIL shared).
-    assert link.v0_receive_s(100e6, producer_busy=True) == pytest.approx(
-        0.002 + 1.5 * (0.02 + 0.16) + 0.2
-    )
+    # The producer's handler does half of the CPU chain (it waits for an idle producer).
+    assert link.v0_producer_s(100e6) == pytest.approx(0.5 * (0.02 + 0.16))
     with pytest.raises(KeyError, match=r"unknown engine\.kv_link key"):
         kv_link("v0", "rdma", 1, {"bandwidth": 1.0})
 

@@ -146,6 +146,41 @@ def test_v0_receive_stalls_decodes_on_the_consumer():
     assert receive_s > 1.0 and max(gaps) > receive_s
 
 
+def test_v0_receive_step_waits_for_the_producer_only_in_its_share():
+    """Hand-checked: two received requests of 30 ms each, 10 ms of it the producer's share,
+    then 5 ms of compute (65 ms in all). The producer runs a step from 5 ms to 25 ms: the
+    first share stops at 5 ms and resumes at 25 ms, so the step ends 20 ms late, at 85 ms."""
+    from servebench.engine.instance import StepResult
+    from servebench.simulate import _ReceiveStep
+
+    step = _ReceiveStep(0.0, StepResult(0.065, [], [], 0, 2), receive_s=0.030, producer_s=0.010)
+    assert step.end_s(producer_busy=False) == pytest.approx(0.065)
+    step.advance(0.005, producer_busy=False)
+    assert step.end_s(producer_busy=True) == float("inf")
+    step.advance(0.025, producer_busy=True)  # nothing moves while the producer steps
+    assert step.end_s(producer_busy=False) == pytest.approx(0.085)
+    # Once past the gated parts, a busy producer no longer matters.
+    step.advance(0.080, producer_busy=False)
+    assert step.end_s(producer_busy=True) == pytest.approx(0.085)
+
+
+@pytest.mark.parametrize("qps, slower", [(0.05, False), (8.0, True)])
+def test_v0_producer_share_of_the_receive_waits_while_the_producer_steps(monkeypatch, qps, slower):
+    """Gating the producer's share of each receive changes nothing when requests never overlap
+    (the producer is idle whenever the decoder receives) and delays first tokens under load."""
+    import servebench.engine.transfer as transfer
+
+    engine = {"gpu": "A100-SXM4-80GB", "jitter_cv": 0.0, "kv_link": {"rank_cpu_gb_s": 0.2}}
+    c = dataclasses.replace(cell("mooncake-rdma", "v0", qps=qps, n=30), engine=engine)
+    gated = ttft_ms(simulate(c))
+    monkeypatch.setattr(transfer, "V0_PRODUCER_CHAIN_SHARE", 0.0)  # the whole chain ungated
+    ungated = ttft_ms(simulate(c))
+    if slower:
+        assert gated.mean() > 1.05 * ungated.mean()
+    else:
+        np.testing.assert_allclose(gated, ungated)
+
+
 def test_v0_buffer_full_stalls_the_prefill_instance():
     small = {
         "gpu": "A100-SXM4-80GB",

@@ -325,7 +325,56 @@ def _run_instance(
             chunks[request.request_id].append(seen)
 
 
-_ARRIVE_PREFILL, _PREFILL_DONE, _ARRIVE_DECODE, _ARRIVE_TRANSFER, _LINK, _DECODE_DONE = range(6)
+(
+    _ARRIVE_PREFILL,
+    _PREFILL_DONE,
+    _ARRIVE_DECODE,
+    _ARRIVE_TRANSFER,
+    _LINK,
+    _DECODE_DONE,
+    _RECEIVE_DONE,
+) = range(7)
+
+
+class _ReceiveStep:
+    """A V0 decoder step that receives KV, in flight. Its work, in order: per received request
+    the producer's share of the copy chain (*gated*: it advances only while the producer's
+    engine is between steps, ``V0_PRODUCER_CHAIN_SHARE``) and the rest of that receive, then
+    the step's compute. Its end moves when the producer starts or ends a step; ``version``
+    tells the live completion event from superseded ones."""
+
+    def __init__(self, started: float, result: StepResult, receive_s: float, producer_s: float):
+        self.started = started
+        self.result = result
+        received = result.num_received
+        self.segments: list[list[Any]] = []  # [gated, seconds left], in order
+        for _ in range(received):
+            self.segments += [[True, producer_s], [False, receive_s - producer_s]]
+        self.segments.append([False, result.duration_s - received * receive_s])
+        self.clock = started
+        self.version = 0
+
+    def advance(self, now: float, producer_busy: bool) -> None:
+        """Do the work possible from the step's clock to ``now`` (the producer's state was
+        ``producer_busy`` all that time)."""
+        elapsed = now - self.clock
+        self.clock = now
+        segments = self.segments
+        while segments and elapsed > 0.0:
+            gated, left = segments[0]
+            if gated and producer_busy:
+                return
+            if left > elapsed:
+                segments[0][1] = left - elapsed
+                return
+            elapsed -= left
+            segments.pop(0)
+
+    def end_s(self, producer_busy: bool) -> float:
+        """When the step ends if the producer stays as it is (inf: it waits for the producer)."""
+        if producer_busy and any(gated for gated, _ in self.segments):
+            return inf
+        return self.clock + sum(left for _, left in self.segments)
 
 
 class _Disaggregated:
@@ -368,10 +417,9 @@ class _Disaggregated:
         self._chunk_hop_s = self.hop.chunk_ms * 1e-3
         self._transfer_bytes = self.bytes_per_prompt_token * w.input_len
         self._buffer_entry_bytes = self.bytes_per_token_per_rank * w.input_len
-        self._v0_receive_ms = self.link_config.v0_receive_s(self._buffer_entry_bytes) * 1e3
-        self._v0_receive_contended_ms = (
-            self.link_config.v0_receive_s(self._buffer_entry_bytes, True) * 1e3
-        )
+        self._v0_receive_s = self.link_config.v0_receive_s(self._buffer_entry_bytes)
+        self._v0_producer_s = self.link_config.v0_producer_s(self._buffer_entry_bytes)
+        self._receive: _ReceiveStep | None = None  # the decoder's V0 receive step in flight
         # V0 receives inside the decoder's step; V1 adds a transfer at least this long.
         self._link_min_s = (
             0.0 if cell.recipe == "v0" else self.link.duration_alone_s(self._transfer_bytes)
@@ -383,6 +431,7 @@ class _Disaggregated:
             _ARRIVE_TRANSFER: self._link_min_s,
             _LINK: 0.0,
             _DECODE_DONE: 0.0,
+            _RECEIVE_DONE: 0.0,
         }
         self._handlers = {
             _ARRIVE_PREFILL: self._on_arrive_prefill,
@@ -391,6 +440,7 @@ class _Disaggregated:
             _ARRIVE_TRANSFER: self._on_arrive_transfer,
             _LINK: self._on_link,
             _DECODE_DONE: self._on_decode_done,
+            _RECEIVE_DONE: self._on_receive_done,
         }
 
     def parameters(self) -> dict[str, Any]:
@@ -403,12 +453,8 @@ class _Disaggregated:
         }
         if self.generation == "v0":
             params["kv_buffer_size"] = self.buffer.capacity_bytes
-            params["v0_receive_ms"] = (
-                self.link_config.v0_receive_s(
-                    self.bytes_per_token_per_rank * self.cell.workload.input_len
-                )
-                * 1e3
-            )
+            params["v0_receive_ms"] = self._v0_receive_s * 1e3
+            params["v0_producer_share_ms"] = self._v0_producer_s * 1e3
             params["prefill_buffer_stall_s"] = self.prefill_stall_s
         return params
 
@@ -466,13 +512,13 @@ class _Disaggregated:
                 next_event = arrivals[i][0]
                 if events and events[0][0] < next_event:
                     next_event = events[0][0]
-                self._start(prefill, _PREFILL_DONE, now, next_event, producer_busy=False)
-                self._prefill_busy = True
+                self._start(prefill, _PREFILL_DONE, now, next_event)
+                self._set_prefill_busy(now, True)
             if not self._decode_busy and decode.has_work():
                 # A waiting request rules out a decode run: no horizon needed then.
                 waiting = decode.scheduler.waiting
                 horizon = now if waiting else self._decode_horizon(arrivals[i][0])
-                self._start(decode, _DECODE_DONE, now, horizon, self._prefill_busy)
+                self._start(decode, _DECODE_DONE, now, horizon)
                 self._decode_busy = True
         if self._inserting:
             raise RuntimeError(
@@ -482,21 +528,45 @@ class _Disaggregated:
             )
 
     def _start(
-        self,
-        instance: EngineInstance,
-        done_kind: int,
-        now: float,
-        next_event: float,
-        producer_busy: bool,
+        self, instance: EngineInstance, done_kind: int, now: float, next_event: float
     ) -> None:
         """Start an idle instance that has work: a run of pure decodes up to the next event
         (which could change its batch) when it can, else one step; queue its completion."""
         run = instance.decode_run(next_event - now)
-        if run is None:
-            result = instance.step(producer_busy=producer_busy)
-            self._push(now + result.duration_s, done_kind, (now, result))
-        else:
+        if run is not None:
             self._push(now + run.step_ends_s[-1], done_kind, (now, run))
+            return
+        result = instance.step()
+        if result.num_received:
+            self._receive = _ReceiveStep(now, result, self._v0_receive_s, self._v0_producer_s)
+            self._schedule_receive()
+        else:
+            self._push(now + result.duration_s, done_kind, (now, result))
+
+    def _set_prefill_busy(self, now: float, busy: bool) -> None:
+        """The producer starts or ends a step: a receive in flight does its work up to now
+        under the old state, and its end is queued again under the new one."""
+        receive = self._receive
+        if receive is not None:
+            receive.advance(now, self._prefill_busy)
+        self._prefill_busy = busy
+        if receive is not None:
+            self._schedule_receive()
+
+    def _schedule_receive(self) -> None:
+        receive = self._receive
+        assert receive is not None
+        receive.version += 1
+        end = receive.end_s(self._prefill_busy)
+        if end < inf:
+            self._push(end, _RECEIVE_DONE, receive.version)
+
+    def _on_receive_done(self, now: float, version: int) -> None:
+        receive = self._receive
+        if receive is None or version != receive.version:
+            return  # superseded: the producer started or ended a step since it was queued
+        self._receive = None
+        self._on_decode_done(now, (receive.started, receive.result))
 
     def _decode_horizon(self, next_arrival: float) -> float:
         """Earliest time an event could change the decode batch: a decode run may go on until
@@ -536,7 +606,7 @@ class _Disaggregated:
         self.prefill.add_request(Request(request_id, self._input_len, 1))
 
     def _on_prefill_done(self, now: float, payload: tuple[float, StepResult]) -> None:
-        self._prefill_busy = False
+        self._set_prefill_busy(now, False)
         _, result = payload
         finished = [request.request_id for request in result.finished]
         if self.generation == "v0":
@@ -552,8 +622,7 @@ class _Disaggregated:
                 request_id,
                 self._input_len,
                 self._output_len,
-                receive_ms=self._v0_receive_ms,
-                receive_contended_ms=self._v0_receive_contended_ms,
+                receive_ms=self._v0_receive_s * 1e3,
             )
         )
 

@@ -166,9 +166,8 @@ class EngineInstance:
         self.steps += len(ends)
         return DecodeRun(ends, requests, finished)
 
-    def step(self, producer_busy: bool = False) -> StepResult:
-        """Schedule and run one step; the caller must only call it when :meth:`has_work`.
-        ``producer_busy``: a V0 KV producer is mid-step, so receives take their contended time."""
+    def step(self) -> StepResult:
+        """Schedule and run one step; the caller must only call it when :meth:`has_work`."""
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             raise RuntimeError(
@@ -183,7 +182,7 @@ class EngineInstance:
             if request.receive_ms:
                 # V0 KV consumer: the prompt's KV arrives inside the forward pass instead of
                 # being computed; only the last position's logits are left to compute.
-                receive_ms += request.receive_contended_ms if producer_busy else request.receive_ms
+                receive_ms += request.receive_ms
                 request.receive_ms = 0.0
                 received += 1
                 decodes.append(request.num_computed + new)

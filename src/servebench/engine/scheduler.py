@@ -121,8 +121,7 @@ def _default_scheduler_config(
 @dataclass(slots=True, eq=False)
 class Request:
     """One request inside an instance. ``receive_ms`` > 0 marks a V0 KV consumer request whose
-    prompt KV is received inside the forward pass instead of computed; it takes
-    ``receive_contended_ms`` when the producer is busy (see ``EngineInstance.step``)."""
+    prompt KV is received inside the forward pass instead of computed, taking that long."""
 
     request_id: int
     prompt_tokens: int
@@ -132,7 +131,6 @@ class Request:
     num_blocks: int = 0
     num_preemptions: int = 0
     receive_ms: float = 0.0
-    receive_contended_ms: float = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,8 @@ Two generations move KV differently (docs/engine-model.md, "KV transfer"):
   managed CPU buffer, the consumer reads them with ``transfer_sync_read``, unpickles and copies
   them to the GPU. Every TP rank moves its own shard in parallel over the node's NICs. The whole
   chain runs synchronously inside the consumer's step, so it is request latency and a stall of
-  every decode on that instance at once: :meth:`KvLink.v0_receive_s`.
+  every decode on that instance at once: :meth:`KvLink.v0_receive_s`. The producer's share of
+  it (:meth:`KvLink.v0_producer_s`) advances only while the producer's engine is between steps.
 * ``v1`` (in-tree ``MooncakeConnector``): asynchronous GPU-direct writes; concurrent transfers
   share the link bandwidth (:class:`TransferLink`, a processor-sharing queue).
 """
@@ -63,8 +64,8 @@ LINK_PRESETS: dict[tuple[str, str], LinkPreset] = {
         3.0,
         2.0,
         nics=1,
-        rank_cpu_gb_s=0.22,
-        rank_cpu_fast_gb_s=0.8,
+        rank_cpu_gb_s=0.65,
+        rank_cpu_fast_gb_s=2.4,
         rank_cpu_fast_mb=16.0,
     ),
     # Mooncake TE's TCP transport over the same ~25 Gbit/s VPC network as eRDMA: the wire is
@@ -78,20 +79,20 @@ LINK_PRESETS: dict[tuple[str, str], LinkPreset] = {
         2.5,
         5.0,
         nics=1,
-        rank_cpu_gb_s=0.22,
-        rank_cpu_fast_gb_s=0.8,
+        rank_cpu_gb_s=0.65,
+        rank_cpu_fast_gb_s=2.4,
         rank_cpu_fast_mb=16.0,
     ),
 }
 
 V0_PRODUCER_CHAIN_SHARE = 0.5
 """Share of the v0 copy chain that runs on the producer (D2H, serialise, copy into the managed
-buffer: three of the six copies)."""
-
-V0_PRODUCER_GIL_SLOWDOWN = 2.0
-"""The producer's drop_select handler is a Python thread of the engine process: while the engine
-loop runs a step, the two runnable threads alternate on the GIL (CPython switch interval 5 ms),
-so the handler's share of the chain takes about twice as long. Approximate."""
+buffer: three of the six copies). It runs in the producer engine's process, on the threads of
+``SimpleBuffer.drop_select_handler`` and ``MooncakePipe``'s transport executor, and gets nothing
+done while that engine runs a step: its device-to-host copies queue on the CUDA default stream
+behind the step's kernels, and the engine thread holds the GIL while it launches them (eager
+TP steps are launch-bound). So it advances only between the producer's steps (approximate:
+all or nothing, no partial progress mid-step)."""
 
 V0_KV_BUFFER_BYTES = 2e9
 """``kv_buffer_size`` of the v0 recipe (Mooncake v0.2 doc command; vLLM's default is 1e9)."""
@@ -124,15 +125,17 @@ class KvLink:
     def wire_bytes_per_s(self) -> float:
         return self.nic_gb_s * 1e9 * self.nics
 
-    def v0_receive_s(self, bytes_per_rank: float, producer_busy: bool = False) -> float:
-        """One request's receive inside the consumer's forward pass: setup, the per-rank CPU
-        chain (ranks in parallel) and the shards of all ranks through the shared NICs. When the
-        producer instance is running a step, its share of the chain (the handler thread's
-        serialisation) shares the GIL with the busy engine loop and runs slower."""
+    def v0_receive_s(self, bytes_per_rank: float) -> float:
+        """One request's receive inside the consumer's forward pass, with an idle producer:
+        setup, the per-rank CPU chain (ranks in parallel) and the shards of all ranks through
+        the shared NICs."""
         cpu = self._cpu_s(bytes_per_rank)
-        if producer_busy:
-            cpu *= 1.0 + V0_PRODUCER_CHAIN_SHARE * (V0_PRODUCER_GIL_SLOWDOWN - 1.0)
         return self.setup_ms * 1e-3 + cpu + bytes_per_rank * self.tp / self.wire_bytes_per_s
+
+    def v0_producer_s(self, bytes_per_rank: float) -> float:
+        """The part of :meth:`v0_receive_s` done by the producer's handler, which advances only
+        while the producer's engine is between steps (:data:`V0_PRODUCER_CHAIN_SHARE`)."""
+        return V0_PRODUCER_CHAIN_SHARE * self._cpu_s(bytes_per_rank)
 
     def _cpu_s(self, bytes_per_rank: float) -> float:
         """The per-rank CPU chain: the first ``rank_cpu_fast_mb`` at the fast rate."""
