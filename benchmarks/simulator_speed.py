@@ -24,11 +24,12 @@ itself is single-threaded Python):
 
 "Requests" are the measured requests of a cell (``num_prompts``); the cell's warm-up requests
 (one per cell by default) are simulated too but not counted. The records a cell returns are
-built (they are part of ``simulate``); nothing is written to disk. Garbage collection stays on.
+built (they are part of ``simulate``); nothing is written to disk. The cyclic garbage collector is
+paused by ``simulate`` itself, in the workflow as here.
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/simulator_speed.py                 # everything, ~2-4 min
+    .venv/bin/python benchmarks/simulator_speed.py                 # everything, 20 s-2 min
     .venv/bin/python benchmarks/simulator_speed.py --quick         # 200-request part only
     .venv/bin/python benchmarks/simulator_speed.py --studies mooncake,quantization --large 20000
 """

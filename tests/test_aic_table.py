@@ -7,7 +7,6 @@ fallback must land within 30 % of it.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -90,9 +89,6 @@ def test_mixed_step_shares_gemms_like_aiconfigurator(tables, handles, tp):
     assert got < 0.95 * apart
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("servebench.engine.roofline") is None, reason="roofline not there yet"
-)
 @pytest.mark.parametrize("tp", TPS)
 def test_roofline_within_30_percent(tables, tp):
     from servebench.engine.hardware import gpu_spec

@@ -239,3 +239,34 @@ def test_engine_and_serving_knobs_are_validated_with_key_paths():
     raw["defaults"] = {"max_num_batched_tokens": 512}
     cell = load(raw).all_cells()[0]
     assert cell.serving.max_num_batched_tokens == 512 and cell.serving.enforce_eager is False
+
+
+def test_every_kv_link_override_passes_the_schema_and_reaches_the_link():
+    from servebench.config import load
+    from servebench.engine.transfer import LINK_OVERRIDES
+
+    overrides = {key: 7 for key in LINK_OVERRIDES}
+    raw = {
+        "models": {
+            "m": {
+                "hf_id": "x/y",
+                "architecture": "qwen2.5-7b",
+                "tensor_parallel": 1,
+                "gpus": [[0], [1]],
+            }
+        },
+        "studies": {
+            "s": {
+                "recipe": "v0",
+                "models": ["m"],
+                "modes": ["mooncake-rdma"],
+                "qps": [1],
+                "input_len": [8],
+            }
+        },
+        "defaults": {"num_prompts": 2},
+        "engine": {"kv_link": overrides},
+    }
+    result = simulate(load(raw).all_cells()[0])
+    link = result.engine_parameters["kv_link"]
+    assert {key: link[key] for key in LINK_OVERRIDES} == overrides

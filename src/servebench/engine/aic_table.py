@@ -1,7 +1,7 @@
 """Step times from aiconfigurator-core's measured vLLM operator tables, tabulated once and cached.
 
 aiconfigurator predicts a step from measured GEMM/attention/communication tables, but a query costs
-0.01-0.5 ms, far too slow for the simulator's hot loop. So :func:`build_table` queries it once per
+0.01-0.45 ms, far too slow for the simulator's hot loop. So :func:`build_table` queries it once per
 (architecture, system, TP, quantization) on fixed grids and :class:`AicStepTime` interpolates.
 
 A step is decomposed the way aiconfigurator's own ``mixed_step_breakdown`` does it:
@@ -249,7 +249,7 @@ class StepTable:
 
 
 def build_table(query: AicQuery) -> StepTable:
-    """Query aiconfigurator on every grid point (≈1-3 s for one table)."""
+    """Query aiconfigurator on every grid point (0.15-1.5 s for one table, see the engine doc)."""
     from aiconfigurator_core.sdk.errors import PerfDataNotAvailableError
 
     try:

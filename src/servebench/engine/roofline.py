@@ -121,8 +121,8 @@ graphs it is captured); part of the per-layer eager overhead measured by BLIS, a
 V0_TP_STEP_BROADCAST_MS = 1.0
 """V0 with TP > 1: the driver worker broadcasts the step's inputs and metadata to the other
 ranks before every step (``broadcast_tensor_dict`` over a CPU group plus NCCL), which V1
-removed; ~1 ms per step on a PCIe host (approximate: fits the TP 2/4 ITL of Mooncake's A10
-v0.2 table, see docs/engine-model.md "Calibration")."""
+removed; ~1 ms per step on a PCIe host (an order-of-magnitude estimate, not fitted; its
+sensitivity on Mooncake's A10 tables is in docs/engine-model.md "Calibration")."""
 
 ALLREDUCE_BANDWIDTH_FRACTION = 0.55
 """Bus bandwidth achieved by large all-reduces: vidur A100 DGX 64 MB at TP 2/8 gives

@@ -72,8 +72,8 @@ LINK_PRESETS: dict[tuple[str, str], LinkPreset] = {
     # the same, kernel TCP reaches ~80-85 % of it. 2.5 GB/s is the rate the two saturated,
     # duration-pinned rows imply (v0.2-input TP 4, in 4096 and 8192: TCP takes 32 and 40 ms
     # more per request than 1-NIC RDMA for 4 x 88 and 4 x 176 MB, i.e. 2.4 and 2.6 GB/s);
-    # it also gives TCP ≈ RDMA at TP 2/4, in 1024 (+3-8 ms per receive), as published. Same CPU
-    # chain; longer setup (llm-d table: TCP 2-10 ms).
+    # it also gives TCP ≈ RDMA at TP 2/4, in 1024 (+8-9 ms per receive against 1-NIC RDMA: 5-6 ms
+    # of wire, 3 of setup), as published. Same CPU chain; longer setup (llm-d table: TCP 2-10 ms).
     ("v0", "tcp"): LinkPreset(
         "v0-tcp",
         2.5,
