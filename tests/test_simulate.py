@@ -209,24 +209,29 @@ def test_more_nics_make_the_v1_transfer_faster():
     assert four.max() < one.min()
 
 
-def test_engine_and_serving_knobs_are_validated_with_key_paths():
-    from servebench.config import ConfigError, load
-
-    raw = {
+def raw_config(mode: str, gpus: list[list[int]]) -> dict:
+    """A one-cell v0 config, as a user would write it, for the config-loading tests."""
+    return {
         "models": {
-            "m": {"hf_id": "x/y", "architecture": "qwen2.5-7b", "tensor_parallel": 1, "gpus": [[0]]}
+            "m": {"hf_id": "x/y", "architecture": "qwen2.5-7b", "tensor_parallel": 1, "gpus": gpus}
         },
         "studies": {
             "s": {
                 "recipe": "v0",
                 "models": ["m"],
-                "modes": ["single"],
+                "modes": [mode],
                 "qps": [1],
                 "input_len": [8],
             }
         },
-        "engine": {"kv_link": {"nics": 0}},
     }
+
+
+def test_engine_and_serving_knobs_are_validated_with_key_paths():
+    from servebench.config import ConfigError, load
+
+    raw = raw_config("single", [[0]])
+    raw["engine"] = {"kv_link": {"nics": 0}}
     with pytest.raises(ConfigError, match=r"engine\.kv_link\.nics"):
         load(raw)
     raw["engine"] = {"kv_link": {"bandwidth": 1}}
@@ -246,27 +251,9 @@ def test_every_kv_link_override_passes_the_schema_and_reaches_the_link():
     from servebench.engine.transfer import LINK_OVERRIDES
 
     overrides = {key: 7 for key in LINK_OVERRIDES}
-    raw = {
-        "models": {
-            "m": {
-                "hf_id": "x/y",
-                "architecture": "qwen2.5-7b",
-                "tensor_parallel": 1,
-                "gpus": [[0], [1]],
-            }
-        },
-        "studies": {
-            "s": {
-                "recipe": "v0",
-                "models": ["m"],
-                "modes": ["mooncake-rdma"],
-                "qps": [1],
-                "input_len": [8],
-            }
-        },
-        "defaults": {"num_prompts": 2},
-        "engine": {"kv_link": overrides},
-    }
+    raw = raw_config("mooncake-rdma", [[0], [1]])
+    raw["defaults"] = {"num_prompts": 2}
+    raw["engine"] = {"kv_link": overrides}
     result = simulate(load(raw).all_cells()[0])
     link = result.engine_parameters["kv_link"]
     assert {key: link[key] for key in LINK_OVERRIDES} == overrides
