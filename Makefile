@@ -1,8 +1,8 @@
 # The two commands: `make all` (run every study, then the report) and `make test`.
-# Both create .venv on first use (or reuse it) and install servebench into it.
+# Both create .venv on first use (or reuse it) and install servematrix into it.
 PYTHON ?= python3
 VENV := .venv
-STAMP := $(VENV)/.servebench-installed
+STAMP := $(VENV)/.servematrix-installed
 
 .PHONY: all test report clean
 

@@ -1,4 +1,4 @@
-# servebench: config in, report out. See README.md and shared design.
+# servematrix: config in, report out. See README.md and shared design.
 from snakemake.utils import min_version
 
 min_version("9.0")

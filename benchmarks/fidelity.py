@@ -1,7 +1,7 @@
 """Simulator fidelity: Mooncake's published vLLM tables (A10) against the simulator's predictions.
 
 Every row of ``benchmarks/data/mooncake_published.csv`` (Mooncake's v0.1 and v0.2 vLLM benchmark
-tables) is configured as a servebench cell, simulated through the package API, and printed next
+tables) is configured as a servematrix cell, simulated through the package API, and printed next
 to the published TTFT, TPOT and ITL (mean, median, P99) with the ratio predicted / published.
 The closing lines count the ratios inside the target band 0.77-1.3 (issue 3).
 
@@ -38,11 +38,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from servebench.cell import identity
-from servebench.config import MODES, Cell, ModelSpec, ModeSpec, Serving, Workload
-from servebench.metrics import CellMetrics, compute
-from servebench.simulate import simulate
-from servebench.trace import to_table
+from servematrix.cell import identity
+from servematrix.config import MODES, Cell, ModelSpec, ModeSpec, Serving, Workload
+from servematrix.metrics import CellMetrics, compute
+from servematrix.simulate import simulate
+from servematrix.trace import to_table
 
 PUBLISHED_CSV = Path(__file__).resolve().parent / "data" / "mooncake_published.csv"
 BAND = (0.77, 1.3)
@@ -204,7 +204,7 @@ def _engine(row: PublishedRow) -> dict[str, object]:
 
 
 def setup_for(row: PublishedRow) -> Setup:
-    """The servebench cell of one published row."""
+    """The servematrix cell of one published row."""
     mode = _mode(row)
     model = ModelSpec(
         name=MODEL.name,

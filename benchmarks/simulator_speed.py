@@ -4,9 +4,9 @@ What is measured (issue 3, "What it must show"), all with ``time.perf_counter`` 
 one thread (``OMP/OPENBLAS/MKL_NUM_THREADS=1`` are set before numpy is imported; the simulator
 itself is single-threaded Python):
 
-1. **Imports**: ``import numpy``, ``servebench.config``, ``servebench.simulate`` (cold, as the
+1. **Imports**: ``import numpy``, ``servematrix.config``, ``servematrix.simulate`` (cold, as the
    first cell of a fresh process pays them).
-2. **Warm-up**: the first pass of ``servebench.simulate.simulate`` over every distinct cell of the
+2. **Warm-up**: the first pass of ``servematrix.simulate.simulate`` over every distinct cell of the
    selected studies, as configured (200 requests per cell by default). It pays whatever is built
    once per process: step-time tables (built, or loaded from their disk cache), architectures, GPU
    specs. This is the number the target "whole default config in under 10 s on one core after
@@ -62,7 +62,7 @@ for _variable in THREAD_VARIABLES:  # before numpy is imported (it is, lazily, i
     os.environ[_variable] = "1"
 
 if TYPE_CHECKING:
-    from servebench.config import Cell, Config
+    from servematrix.config import Cell, Config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "config" / "config.yaml"
@@ -152,20 +152,20 @@ class CellTimeout(Exception):
 
 
 def _import_package() -> Imports:
-    """Import numpy and the two servebench modules cold, timing each."""
+    """Import numpy and the two servematrix modules cold, timing each."""
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     import numpy  # noqa: F401
 
     seconds["numpy"] = time.perf_counter() - start
     start = time.perf_counter()
-    from servebench.config import load_file
+    from servematrix.config import load_file
 
-    seconds["servebench.config"] = time.perf_counter() - start
+    seconds["servematrix.config"] = time.perf_counter() - start
     start = time.perf_counter()
-    from servebench.simulate import simulate
+    from servematrix.simulate import simulate
 
-    seconds["servebench.simulate"] = time.perf_counter() - start
+    seconds["servematrix.simulate"] = time.perf_counter() - start
     return Imports(seconds, load_file, simulate)
 
 
@@ -297,7 +297,7 @@ def header_lines(machine: Machine, imports: Imports, config: Path) -> list[str]:
     )
     parts = ", ".join(f"{name} {s:.3f} s" for name, s in imports.seconds.items())
     return [
-        f"servebench simulator speed  ({datetime.now(UTC).isoformat(timespec='seconds')})",
+        f"servematrix simulator speed  ({datetime.now(UTC).isoformat(timespec='seconds')})",
         f"machine: {machine.platform}; python {machine.python}; os.cpu_count() "
         f"{machine.cpu_count}, usable {machine.usable_cpus}; load average {load}",
         f"threads: {'/'.join(v.split('_')[0] for v in THREAD_VARIABLES)} threads = 1; "

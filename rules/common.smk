@@ -1,11 +1,11 @@
 # Validation, matrix expansion, input functions and wildcard constraints, all derived from
-# one validated config (servebench.config). A bad config stops here, before any job.
+# one validated config (servematrix.config). A bad config stops here, before any job.
 import json
 from pathlib import Path
 
-from servebench import config as sb_config
-from servebench.cell import check_backend
-from servebench.workflow import fail_on_config_error
+from servematrix import config as sb_config
+from servematrix.cell import check_backend
+from servematrix.workflow import fail_on_config_error
 
 with fail_on_config_error():
     SB = sb_config.load(config, Path(workflow.basedir) / "config" / "schema.yaml")

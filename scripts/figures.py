@@ -3,8 +3,8 @@ from pathlib import Path
 
 import polars as pl
 
-from servebench.figures import write_study_figures
-from servebench.workflow import log_to
+from servematrix.figures import write_study_figures
+from servematrix.workflow import log_to
 
 log_to(snakemake.log[0])
 out_dir = Path(snakemake.output.ttft).parent

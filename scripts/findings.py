@@ -1,9 +1,9 @@
 # Snakemake adapter: turn a study's summary into findings (Markdown and HTML).
 import polars as pl
 
-from servebench.files import write_text
-from servebench.findings import study_findings, to_html, to_markdown
-from servebench.workflow import log_to
+from servematrix.files import write_text
+from servematrix.findings import study_findings, to_html, to_markdown
+from servematrix.workflow import log_to
 
 log_to(snakemake.log[0])
 findings = study_findings(

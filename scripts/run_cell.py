@@ -1,9 +1,9 @@
 # Snakemake adapter: run one cell and write its trace.
 import json
 
-from servebench.cell import run_cell
-from servebench.config import Cell
-from servebench.workflow import log_to
+from servematrix.cell import run_cell
+from servematrix.config import Cell
+from servematrix.workflow import log_to
 
 log_to(snakemake.log[0])
 run_cell(Cell.from_dict(json.loads(snakemake.params.cell)), snakemake.output[0])

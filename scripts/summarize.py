@@ -1,6 +1,6 @@
 # Snakemake adapter: one summary row per cell of a study.
-from servebench.aggregate import summarize, write_summary
-from servebench.workflow import log_to
+from servematrix.aggregate import summarize, write_summary
+from servematrix.workflow import log_to
 
 log_to(snakemake.log[0])
 summary = summarize(list(snakemake.input), slo_ms=snakemake.params.slo_ms)

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from servebench import aggregate, metrics, trace
+from servematrix import aggregate, metrics, trace
 
 
 def identity(model: str = "qwen-7b", mode: str = "single", qps: float = 2.0, input_len: int = 10):

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from servebench.engine import aic_table
-from servebench.engine.aic_table import AicStepTime, select_step_time_model
-from servebench.engine.architecture import load_architecture
-from servebench.engine.steptime import StepBatch
+from servematrix.engine import aic_table
+from servematrix.engine.aic_table import AicStepTime, select_step_time_model
+from servematrix.engine.architecture import load_architecture
+from servematrix.engine.steptime import StepBatch
 
 A100 = "A100-SXM4-80GB"
 QWEN_7B = load_architecture("qwen2.5-7b")
@@ -91,8 +91,8 @@ def test_mixed_step_shares_gemms_like_aiconfigurator(tables, handles, tp):
 
 @pytest.mark.parametrize("tp", TPS)
 def test_roofline_within_30_percent(tables, tp):
-    from servebench.engine.hardware import gpu_spec
-    from servebench.engine.roofline import RooflineStepTime
+    from servematrix.engine.hardware import gpu_spec
+    from servematrix.engine.roofline import RooflineStepTime
 
     roofline = RooflineStepTime(QWEN_7B, gpu_spec(A100), tp, "bf16")
     for batch in (decode(1, 1024), decode(32, 1024), prefill(1024, 0), prefill(4096, 0)):
@@ -134,14 +134,14 @@ def fake_roofline(arch, gpu, tp, quantization):
     ],
 )
 def test_fallback_to_roofline_says_why(arch, gpu, tp, quantization, why, cache, monkeypatch):
-    monkeypatch.setenv("SERVEBENCH_CACHE", str(cache))
+    monkeypatch.setenv("SERVEMATRIX_CACHE", str(cache))
     model, label = select_step_time_model(arch, gpu, tp, quantization, roofline=fake_roofline)
     assert model == ("roofline", arch, gpu, tp, quantization)
     assert label.startswith("roofline (") and why in label
 
 
 def test_cohere_is_approximated_as_llama_and_says_so(cache, monkeypatch):
-    monkeypatch.setenv("SERVEBENCH_CACHE", str(cache))
+    monkeypatch.setenv("SERVEMATRIX_CACHE", str(cache))
     model, label = select_step_time_model("command-r7b-12-2024", A100, 1, "bf16")
     assert isinstance(model, AicStepTime)
     assert (

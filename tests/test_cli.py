@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from servebench import cli, trace
-from servebench.trace import CellIdentity, RequestRecord
+from servematrix import cli, trace
+from servematrix.trace import CellIdentity, RequestRecord
 
 IDENTITY = CellIdentity("simulator", "v0", "m", "single", "random", 2.0, 8, 3, 2, 0)
 
@@ -39,7 +39,7 @@ def test_check_reports_a_bad_config_in_one_line(tmp_path, small_config, capsys):
     assert cli.main(["check", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.strip() == (
-        "servebench: config error at studies.disagg.qps[0]: 0 is less than or equal to the "
+        "servematrix: config error at studies.disagg.qps[0]: 0 is less than or equal to the "
         "minimum of 0"
     )
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from servebench import config
-from servebench.config import ConfigError
+from servematrix import config
+from servematrix.config import ConfigError
 
 
 def test_default_config_has_every_study_of_the_design(default_config):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from servebench.engine.instance import EngineInstance, Jitter
-from servebench.engine.kvcache import BlockPool
-from servebench.engine.scheduler import Request, Scheduler, scheduler_config
-from servebench.engine.steptime import StepBatch
+from servematrix.engine.instance import EngineInstance, Jitter
+from servematrix.engine.kvcache import BlockPool
+from servematrix.engine.scheduler import Request, Scheduler, scheduler_config
+from servematrix.engine.steptime import StepBatch
 
 
 class LinearStepTime:

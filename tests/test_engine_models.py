@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from servebench.engine.architecture import load_architecture
-from servebench.engine.hardware import gpu_spec
-from servebench.engine.kvcache import BlockPool, ModelDoesNotFitError, plan_kv_memory
-from servebench.engine.roofline import RooflineStepTime, weight_bytes
-from servebench.engine.steptime import StepBatch
-from servebench.engine.transfer import TransferLink
+from servematrix.engine.architecture import load_architecture
+from servematrix.engine.hardware import gpu_spec
+from servematrix.engine.kvcache import BlockPool, ModelDoesNotFitError, plan_kv_memory
+from servematrix.engine.roofline import RooflineStepTime, weight_bytes
+from servematrix.engine.steptime import StepBatch
+from servematrix.engine.transfer import TransferLink
 
 A100 = gpu_spec("A100-SXM4-80GB")
 
@@ -146,7 +146,7 @@ def test_link_random_transfers_at_large_clock_values_all_complete():
 
 
 def test_v0_receive_is_setup_cpu_chain_and_shared_wire():
-    from servebench.engine.transfer import kv_link
+    from servematrix.engine.transfer import kv_link
 
     knobs = {"nic_gb_s": 2.0, "nics": 1, "setup_ms": 2.0, "rank_cpu_gb_s": 0.5}
     knobs |= {"rank_cpu_fast_gb_s": 1.0, "rank_cpu_fast_mb": 20.0}
@@ -165,7 +165,7 @@ def test_v0_tcp_costs_what_the_saturated_input_rows_show():
     """v0 TCP and eRDMA share the A10 nodes' VPC wire: at TP 4 the per-request TCP penalty
     over 1-NIC RDMA is the few ms Mooncake's in=1024 rows show and the ~30-40 ms their
     duration-pinned in=4096/8192 rows show (docs/engine-model.md, "Calibration")."""
-    from servebench.engine.transfer import kv_link
+    from servematrix.engine.transfer import kv_link
 
     rdma, tcp = kv_link("v0", "rdma", 4, None), kv_link("v0", "tcp", 4, None)
     per_token = 21504  # Qwen2.5-7B at TP 4: KV heads' share + the full hidden state, bytes
@@ -179,7 +179,7 @@ def test_v0_tcp_costs_what_the_saturated_input_rows_show():
 
 
 def test_lookup_buffer_refuses_inserts_while_over_capacity():
-    from servebench.engine.transfer import LookupBuffer
+    from servematrix.engine.transfer import LookupBuffer
 
     buffer = LookupBuffer(100.0)
     assert buffer.try_insert(60.0) and buffer.try_insert(60.0)  # vLLM checks before inserting
@@ -189,7 +189,7 @@ def test_lookup_buffer_refuses_inserts_while_over_capacity():
 
 
 def test_eager_and_pcie_allreduce_overheads_are_monotone():
-    from servebench.engine.roofline import allreduce_latency_ms
+    from servematrix.engine.roofline import allreduce_latency_ms
 
     a10 = gpu_spec("A10-24GB")
     assert (
@@ -215,7 +215,7 @@ def test_eager_and_pcie_allreduce_overheads_are_monotone():
 def test_stragglers_lengthen_the_tail_only_with_jitter():
     import numpy as np
 
-    from servebench.engine.instance import Jitter
+    from servematrix.engine.instance import Jitter
 
     plain = np.array(Jitter(0.03, 1).peek(4000))
     tail = np.array(Jitter(0.03, 1, straggler_probability=0.01).peek(4000))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from servebench.engine.kvcache import BlockPool
-from servebench.engine.scheduler import Request, Scheduler, SchedulerConfig, scheduler_config
+from servematrix.engine.kvcache import BlockPool
+from servematrix.engine.scheduler import Request, Scheduler, SchedulerConfig, scheduler_config
 
 
 def make(policy="decode_first", chunked=True, budget=2048, seqs=256, blocks=10_000, watermark=0.0):

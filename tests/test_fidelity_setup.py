@@ -17,17 +17,17 @@ import jsonschema
 import pytest
 import yaml
 
-from servebench.cell import identity
-from servebench.config import RECIPES, SCHEMA_PATH, Cell
-from servebench.engine.architecture import load_architecture
-from servebench.engine.hardware import gpu_spec
+from servematrix.cell import identity
+from servematrix.config import RECIPES, SCHEMA_PATH, Cell
+from servematrix.engine.architecture import load_architecture
+from servematrix.engine.hardware import gpu_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "fidelity.py"
 
 
 def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("servebench_bench_fidelity", SCRIPT)
+    spec = importlib.util.spec_from_file_location("servematrix_bench_fidelity", SCRIPT)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules

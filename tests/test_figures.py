@@ -10,7 +10,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from servebench.figures import (
+from servematrix.figures import (
     build_figure,
     choose_layout,
     latency_panels,

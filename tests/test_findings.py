@@ -7,7 +7,7 @@ import math
 import polars as pl
 import pytest
 
-from servebench.findings import Findings, study_findings, to_html, to_markdown
+from servematrix.findings import Findings, study_findings, to_html, to_markdown
 
 
 def cell(

@@ -9,8 +9,8 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from servebench import metrics, trace
-from servebench.metrics import CellMetrics, MetricsError
+from servematrix import metrics, trace
+from servematrix.metrics import CellMetrics, MetricsError
 
 IDENTITY = trace.CellIdentity("simulator", "v1", "m", "single", "random", 2.0, 10, 4, 4, 0)
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from servebench.schedule import arrival_times
+from servematrix.schedule import arrival_times
 
 
 def test_matches_vllm_benchmark_client_with_seed_0():

@@ -7,9 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from servebench.config import MODES, Cell, ModelSpec, Serving, Workload
-from servebench.engine.kvcache import ModelDoesNotFitError
-from servebench.simulate import round_robin_targets, simulate
+from servematrix.config import MODES, Cell, ModelSpec, Serving, Workload
+from servematrix.engine.kvcache import ModelDoesNotFitError
+from servematrix.simulate import round_robin_targets, simulate
 
 GPTQ_7B = ModelSpec(
     "Qwen2.5-7B-Instruct-GPTQ-Int4",
@@ -150,8 +150,8 @@ def test_v0_receive_step_waits_for_the_producer_only_in_its_share():
     """Hand-checked: two received requests of 30 ms each, 10 ms of it the producer's share,
     then 5 ms of compute (65 ms in all). The producer runs a step from 5 ms to 25 ms: the
     first share stops at 5 ms and resumes at 25 ms, so the step ends 20 ms late, at 85 ms."""
-    from servebench.engine.instance import StepResult
-    from servebench.simulate import _ReceiveStep
+    from servematrix.engine.instance import StepResult
+    from servematrix.simulate import _ReceiveStep
 
     step = _ReceiveStep(0.0, StepResult(0.065, [], [], 0, 2), receive_s=0.030, producer_s=0.010)
     assert step.end_s(producer_busy=False) == pytest.approx(0.065)
@@ -168,7 +168,7 @@ def test_v0_receive_step_waits_for_the_producer_only_in_its_share():
 def test_v0_producer_share_of_the_receive_waits_while_the_producer_steps(monkeypatch, qps, slower):
     """Gating the producer's share of each receive changes nothing when requests never overlap
     (the producer is idle whenever the decoder receives) and delays first tokens under load."""
-    import servebench.engine.transfer as transfer
+    import servematrix.engine.transfer as transfer
 
     engine = {"gpu": "A100-SXM4-80GB", "jitter_cv": 0.0, "kv_link": {"rank_cpu_gb_s": 0.2}}
     c = dataclasses.replace(cell("mooncake-rdma", "v0", qps=qps, n=30), engine=engine)
@@ -228,7 +228,7 @@ def raw_config(mode: str, gpus: list[list[int]]) -> dict:
 
 
 def test_engine_and_serving_knobs_are_validated_with_key_paths():
-    from servebench.config import ConfigError, load
+    from servematrix.config import ConfigError, load
 
     raw = raw_config("single", [[0]])
     raw["engine"] = {"kv_link": {"nics": 0}}
@@ -247,8 +247,8 @@ def test_engine_and_serving_knobs_are_validated_with_key_paths():
 
 
 def test_every_kv_link_override_passes_the_schema_and_reaches_the_link():
-    from servebench.config import load
-    from servebench.engine.transfer import LINK_OVERRIDES
+    from servematrix.config import load
+    from servematrix.engine.transfer import LINK_OVERRIDES
 
     overrides = {key: 7 for key in LINK_OVERRIDES}
     raw = raw_config("mooncake-rdma", [[0], [1]])

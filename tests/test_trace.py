@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from servebench import trace
+from servematrix import trace
 
 IDENTITY = trace.CellIdentity(
     backend="simulator",
@@ -22,7 +22,7 @@ IDENTITY = trace.CellIdentity(
     num_prompts=2,
     seed=0,
 )
-METADATA = {"cell": {"qps": 2.0}, "versions": {"servebench": "0.1.0"}, "host": "box"}
+METADATA = {"cell": {"qps": 2.0}, "versions": {"servematrix": "0.1.0"}, "host": "box"}
 
 
 def records() -> list[trace.RequestRecord]:

@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 import yaml
 
-from servebench import trace
+from servematrix import trace
 from tests.workflow_helpers import copy_workflow, planned_jobs, snakemake, write_config
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,7 @@ def test_all_builds_every_output_of_every_study(finished_run):
     assert table.num_rows == 21  # 20 measured + 1 warm-up
     meta = trace.read_metadata(finished_run / CELL)
     assert meta["cell"]["model"]["name"] == "Qwen2.5-7B-Instruct-GPTQ-Int4"
-    assert meta["versions"]["servebench"]
+    assert meta["versions"]["servematrix"]
 
 
 def test_report_is_self_contained(finished_run):
@@ -117,7 +117,7 @@ def test_broken_config_stops_before_any_job(tmp_path, small_config):
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if "config error" in line]
     assert errors == [
-        "servebench: config error at studies.disagg.models[1]: unknown model 'Llama-9' "
+        "servematrix: config error at studies.disagg.models[1]: unknown model 'Llama-9' "
         "(known: Qwen2.5-14B-Instruct, Qwen2.5-7B-Instruct-GPTQ-Int4)"
     ]
     assert "Traceback" not in run.stderr

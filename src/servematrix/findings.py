@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from servebench.aggregate import check_one_row_per_point
-from servebench.config import MODES
+from servematrix.aggregate import check_one_row_per_point
+from servematrix.config import MODES
 
 SATURATION_JUMP = 2.0
 QPS_TOLERANCE = 0.01

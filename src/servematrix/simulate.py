@@ -1,4 +1,4 @@
-"""The simulator backend: the engine of ``servebench.engine`` driven by a virtual clock.
+"""The simulator backend: the engine of ``servematrix.engine`` driven by a virtual clock.
 
 It replays the cell's seeded arrival schedule (the one the real client uses) through the
 cell's topology and writes what a client would have recorded: one streamed chunk per output
@@ -28,26 +28,26 @@ from typing import Any
 
 import numpy as np
 
-from servebench.config import Cell
-from servebench.engine.aic_table import select_step_time_model
-from servebench.engine.architecture import Architecture, load_architecture
-from servebench.engine.hardware import gpu_spec
-from servebench.engine.instance import DecodeRun, EngineInstance, Jitter, StepResult
-from servebench.engine.kvcache import (
+from servematrix.config import Cell
+from servematrix.engine.aic_table import select_step_time_model
+from servematrix.engine.architecture import Architecture, load_architecture
+from servematrix.engine.hardware import gpu_spec
+from servematrix.engine.instance import DecodeRun, EngineInstance, Jitter, StepResult
+from servematrix.engine.kvcache import (
     BlockPool,
     KvMemoryPlan,
     kv_bytes_per_token_per_gpu,
     plan_kv_memory,
 )
-from servebench.engine.roofline import (
+from servematrix.engine.roofline import (
     V0_TP_STEP_BROADCAST_MS,
     RooflineStepTime,
     eager_overhead_ms,
     weight_bytes,
 )
-from servebench.engine.scheduler import Request, Scheduler, SchedulerConfig, scheduler_config
-from servebench.engine.steptime import StepTimeModel, WithDecodeOverhead
-from servebench.engine.transfer import (
+from servematrix.engine.scheduler import Request, Scheduler, SchedulerConfig, scheduler_config
+from servematrix.engine.steptime import StepTimeModel, WithDecodeOverhead
+from servematrix.engine.transfer import (
     NO_PROXY,
     V0_KV_BUFFER_BYTES,
     LookupBuffer,
@@ -55,8 +55,8 @@ from servebench.engine.transfer import (
     TransferLink,
     kv_link,
 )
-from servebench.schedule import arrival_times
-from servebench.trace import RequestRecord
+from servematrix.schedule import arrival_times
+from servematrix.trace import RequestRecord
 
 DEFAULT_GPU = "A100-SXM4-80GB"
 DEFAULT_JITTER_CV = 0.03

@@ -28,7 +28,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from servebench.trace import REQUEST_COLUMNS
+from servematrix.trace import REQUEST_COLUMNS
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 PERCENTILES = (90, 95, 99)
@@ -104,7 +104,7 @@ def compute(
     slo_ms: Mapping[str, float] | None = None,
     source: str | os.PathLike[str] | None = None,
 ) -> CellMetrics:
-    """Metrics of one cell's trace (as returned by `servebench.trace.read`).
+    """Metrics of one cell's trace (as returned by `servematrix.trace.read`).
 
     ``slo_ms`` maps any of ``ttft``, ``tpot``, ``e2el`` to a limit in ms; a request is good when
     it meets every given limit (no limits: every successful request is good). ``good_fraction``

@@ -13,8 +13,8 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 
-from servebench import metrics, trace
-from servebench.files import atomic_path
+from servematrix import metrics, trace
+from servematrix.files import atomic_path
 
 SORT_KEYS = ("model", "mode", "input_len", "qps")
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from servebench.engine.architecture import Architecture
-from servebench.engine.hardware import GIB, GpuSpec
+from servematrix.engine.architecture import Architecture
+from servematrix.engine.hardware import GIB, GpuSpec
 
 BLOCK_SIZE_TOKENS = 16
 """vLLM's default ``--block-size`` on CUDA (V0 and V1)."""

@@ -78,7 +78,7 @@ class Serving:
     """Server flags shared by every instance of a deployment.
 
     ``max_num_batched_tokens`` None keeps the recipe's default (see
-    ``servebench.engine.scheduler.scheduler_config``); ``enforce_eager`` is vLLM's
+    ``servematrix.engine.scheduler.scheduler_config``); ``enforce_eager`` is vLLM's
     ``--enforce-eager`` (no CUDA graphs).
     """
 

@@ -18,9 +18,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from servebench.files import atomic_path
+from servematrix.files import atomic_path
 
-METADATA_KEY = b"servebench"
+METADATA_KEY = b"servematrix"
 
 IDENTITY_COLUMNS: dict[str, pa.DataType] = {
     "backend": pa.string(),
@@ -188,7 +188,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (pa.ArrowException, OSError) as error:
         raise TraceError(path, None, f"not a readable Parquet file ({error})") from error
     if METADATA_KEY not in meta:
-        raise TraceError(path, None, "metadata document 'servebench' is missing")
+        raise TraceError(path, None, "metadata document 'servematrix' is missing")
     try:
         return json.loads(meta[METADATA_KEY])
     except json.JSONDecodeError as error:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from servebench.engine.scheduler import Request, Scheduler
-from servebench.engine.steptime import StepBatch, StepTimeModel
+from servematrix.engine.scheduler import Request, Scheduler
+from servematrix.engine.steptime import StepBatch, StepTimeModel
 
 JITTER_BLOCK = 4096
 STEP_CACHE_ENTRIES = 1 << 16

@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from servebench.engine.architecture import Architecture, architecture_dir, load_architecture
-from servebench.engine.steptime import StepBatch, StepTimeModel
+from servematrix.engine.architecture import Architecture, architecture_dir, load_architecture
+from servematrix.engine.steptime import StepBatch, StepTimeModel
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def llama_shaped(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def aic_query(arch: Architecture, gpu: str, tp: int, quantization: str) -> AicQuery:
-    """Map a servebench setup to an aiconfigurator query, or say why there is none."""
+    """Map a servematrix setup to an aiconfigurator query, or say why there is none."""
     system = SYSTEMS.get(gpu)
     if system is None:
         raise AicUnsupportedError(f"aiconfigurator has no system file for {gpu}")
@@ -284,8 +284,8 @@ def _query_grids(query: AicQuery) -> StepTable:
 
 
 def cache_dir() -> Path:
-    """``$SERVEBENCH_CACHE/steptime``, by default ``~/.cache/servebench/steptime``."""
-    root = os.environ.get("SERVEBENCH_CACHE") or Path.home() / ".cache" / "servebench"
+    """``$SERVEMATRIX_CACHE/steptime``, by default ``~/.cache/servematrix/steptime``."""
+    root = os.environ.get("SERVEMATRIX_CACHE") or Path.home() / ".cache" / "servematrix"
     return Path(root) / "steptime"
 
 
@@ -371,8 +371,8 @@ class AicStepTime:
 
 
 def _roofline(arch: Architecture, gpu: str, tp: int, quantization: str) -> StepTimeModel:
-    from servebench.engine.hardware import gpu_spec
-    from servebench.engine.roofline import RooflineStepTime
+    from servematrix.engine.hardware import gpu_spec
+    from servematrix.engine.roofline import RooflineStepTime
 
     return RooflineStepTime(arch, gpu_spec(gpu), tp, quantization)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from servebench.engine.kvcache import BlockPool
+from servematrix.engine.kvcache import BlockPool
 
 V0_DEFAULT_WATERMARK = 0.01
 """V0 ``CacheConfig``/``BlockSpaceManager`` watermark: 1 % of blocks stay free on admission."""

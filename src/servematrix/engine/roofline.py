@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from servebench.engine.architecture import Architecture
-from servebench.engine.hardware import GpuSpec
-from servebench.engine.steptime import StepBatch
+from servematrix.engine.architecture import Architecture
+from servematrix.engine.hardware import GpuSpec
+from servematrix.engine.steptime import StepBatch
 
 
 @dataclass(frozen=True)

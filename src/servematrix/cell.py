@@ -17,9 +17,9 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
-from servebench import __version__, trace
-from servebench.config import Cell, ConfigError
-from servebench.trace import CellIdentity, RequestRecord
+from servematrix import __version__, trace
+from servematrix.config import Cell, ConfigError
+from servematrix.trace import CellIdentity, RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +38,13 @@ def check_backend(backend: str) -> None:
     if backend not in AVAILABLE_BACKENDS:
         raise ConfigError(
             "backend",
-            f"{backend!r} is not available in servebench {__version__} "
+            f"{backend!r} is not available in servematrix {__version__} "
             f"(available: {', '.join(AVAILABLE_BACKENDS)})",
         )
 
 
 def _run_simulator(cell: Cell) -> BackendRun:
-    from servebench.simulate import simulate
+    from servematrix.simulate import simulate
 
     result = simulate(cell)
     return BackendRun(result.records, {"engine": result.engine_parameters})
@@ -81,7 +81,7 @@ def run_metadata(cell: Cell, started: datetime, run: BackendRun) -> dict[str, An
         "cell": cell.to_dict(),
         "deployment": run.deployment,
         "versions": {
-            "servebench": __version__,
+            "servematrix": __version__,
             "python": sys.version.split()[0],
             "snakemake": _version("snakemake"),
             "vllm": _version("vllm"),

@@ -16,9 +16,9 @@ from pathlib import Path
 import altair as alt
 import polars as pl
 
-from servebench.aggregate import check_one_row_per_point
-from servebench.config import MODES
-from servebench.files import atomic_path
+from servematrix.aggregate import check_one_row_per_point
+from servematrix.config import MODES
+from servematrix.files import atomic_path
 
 X_AXES = {
     "qps": "Offered load (requests/s)",

@@ -1,4 +1,4 @@
-"""`servebench`: inspect a config and a trace without running the workflow."""
+"""`servematrix`: inspect a config and a trace without running the workflow."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from servebench import config, metrics, trace
+from servematrix import config, metrics, trace
 
 LATENCY_ROWS = (
     ("Time to First Token", "ttft"),
@@ -58,7 +58,7 @@ def _slo(text: str) -> tuple[str, float]:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="servebench", description=__doc__)
+    top = argparse.ArgumentParser(prog="servematrix", description=__doc__)
     commands = top.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="validate a config and count its cells")
     check.add_argument("config", type=Path)
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except (config.ConfigError, trace.TraceError, metrics.MetricsError) as error:
-        print(f"servebench: {error}", file=sys.stderr)
+        print(f"servematrix: {error}", file=sys.stderr)
         return 1
 
 

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
-from servebench.config import ConfigError
+from servematrix.config import ConfigError
 
 
 @contextlib.contextmanager
@@ -16,7 +16,7 @@ def fail_on_config_error() -> Iterator[None]:
     try:
         yield
     except ConfigError as error:
-        print(f"servebench: {error}", file=sys.stderr)
+        print(f"servematrix: {error}", file=sys.stderr)
         sys.stderr.flush()
         sys.exit(1)
 
@@ -29,7 +29,7 @@ def log_to(path: str) -> logging.Logger:
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)
-    logger = logging.getLogger("servebench")
+    logger = logging.getLogger("servematrix")
     previous_hook = sys.excepthook
 
     def log_uncaught(kind, error, tb):
