@@ -29,24 +29,17 @@ from typing import Any
 import numpy as np
 
 from servematrix.config import Cell
-from servematrix.engine.aic_table import select_step_time_model
-from servematrix.engine.architecture import Architecture, load_architecture
-from servematrix.engine.hardware import gpu_spec
-from servematrix.engine.instance import DecodeRun, EngineInstance, Jitter, StepResult
-from servematrix.engine.kvcache import (
-    BlockPool,
-    KvMemoryPlan,
-    kv_bytes_per_token_per_gpu,
-    plan_kv_memory,
+from servematrix.engine.instance import DecodeRun, EngineInstance, StepResult
+from servematrix.engine.kvcache import kv_bytes_per_token_per_gpu
+from servematrix.engine.scheduler import Request
+from servematrix.engine.setup import (
+    DEFAULT_GPU,
+    DEFAULT_JITTER_CV,
+    DEFAULT_STRAGGLER_PROBABILITY,
+    EngineSetup,
+    build_engine_setup,
 )
-from servematrix.engine.roofline import (
-    V0_TP_STEP_BROADCAST_MS,
-    RooflineStepTime,
-    eager_overhead_ms,
-    weight_bytes,
-)
-from servematrix.engine.scheduler import Request, Scheduler, SchedulerConfig, scheduler_config
-from servematrix.engine.steptime import StepTimeModel, WithDecodeOverhead
+from servematrix.engine.steptime import StepTimeModel
 from servematrix.engine.transfer import (
     NO_PROXY,
     V0_KV_BUFFER_BYTES,
@@ -58,28 +51,11 @@ from servematrix.engine.transfer import (
 from servematrix.schedule import arrival_times
 from servematrix.trace import RequestRecord
 
-DEFAULT_GPU = "A100-SXM4-80GB"
-DEFAULT_JITTER_CV = 0.03
-"""Step-to-step variation of a GPU forward pass (peers §2.9: CV about 3-5 %)."""
-DEFAULT_STRAGGLER_PROBABILITY = 0.005
-"""Share of steps hit by a host hiccup (see ``Jitter``); approximate, docs/engine-model.md."""
-
 
 @dataclass
 class SimulationResult:
     records: list[RequestRecord]
     engine_parameters: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class _Setup:
-    arch: Architecture
-    step_time: StepTimeModel
-    step_time_label: str
-    scheduler: SchedulerConfig
-    kv: KvMemoryPlan
-    jitter_cv: float
-    straggler_probability: float
 
 
 def simulate(cell: Cell, step_time: StepTimeModel | None = None) -> SimulationResult:
@@ -110,20 +86,7 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None) -> SimulationResult:
     setup = _setup(cell, step_time)
     workload = cell.workload
     sends = arrival_times(workload.num_prompts, workload.qps, workload.burstiness, workload.seed)
-    instances = [
-        EngineInstance(
-            Scheduler(
-                setup.scheduler, BlockPool(setup.kv.num_blocks, watermark=setup.scheduler.watermark)
-            ),
-            setup.step_time,
-            Jitter(
-                setup.jitter_cv,
-                np.random.SeedSequence([workload.seed, index]),
-                setup.straggler_probability,
-            ),
-        )
-        for index in range(cell.mode.instances)
-    ]
+    instances = [setup.instance(workload.seed, index) for index in range(cell.mode.instances)]
     if cell.mode.disaggregated:
         driver = _Disaggregated(cell, setup, instances[0], instances[1])
     else:
@@ -134,72 +97,31 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None) -> SimulationResult:
     return SimulationResult(records=records, engine_parameters=parameters)
 
 
-def _setup(cell: Cell, step_time: StepTimeModel | None) -> _Setup:
-    arch = load_architecture(cell.model.architecture)
-    gpu = gpu_spec(cell.engine.get("gpu", DEFAULT_GPU))
-    tp = cell.model.tensor_parallel
+def _setup(cell: Cell, step_time: StepTimeModel | None) -> EngineSetup:
     serving = cell.serving
-    sched = scheduler_config(
-        cell.recipe,
-        cell.mode.chunked_prefill,
-        serving.max_model_len,
-        gpu.name,
-        serving.max_num_batched_tokens,
-    )
-    kv = plan_kv_memory(
-        model_label=f"{cell.model.name} ({cell.model.quantization})",
-        arch=arch,
-        weight_bytes=weight_bytes(arch, cell.model.quantization),
-        gpu=gpu,
-        tp=tp,
-        gpu_memory_utilization=serving.gpu_memory_utilization,
+    return build_engine_setup(
+        cell.model.architecture,
+        quantization=cell.model.quantization,
+        tensor_parallel=cell.model.tensor_parallel,
+        recipe=cell.recipe,
+        chunked_prefill=cell.mode.chunked_prefill,
         max_model_len=serving.max_model_len,
-        max_num_batched_tokens=sched.max_num_batched_tokens,
-        max_num_seqs=sched.max_num_seqs,
-    )
-    if step_time is not None:
-        model, label = step_time, f"given ({type(step_time).__name__})"
-    else:
-        model, label = _step_time_model(cell, gpu.name)
-    return _Setup(
-        arch,
-        model,
-        label,
-        sched,
-        kv,
-        float(cell.engine.get("jitter_cv", DEFAULT_JITTER_CV)),
-        float(cell.engine.get("straggler_probability", DEFAULT_STRAGGLER_PROBABILITY)),
+        gpu_memory_utilization=serving.gpu_memory_utilization,
+        gpu=cell.engine.get("gpu", DEFAULT_GPU),
+        max_num_batched_tokens=serving.max_num_batched_tokens,
+        enforce_eager=serving.enforce_eager,
+        jitter_cv=float(cell.engine.get("jitter_cv", DEFAULT_JITTER_CV)),
+        straggler_probability=float(
+            cell.engine.get("straggler_probability", DEFAULT_STRAGGLER_PROBABILITY)
+        ),
+        step_time=step_time,
+        model_label=f"{cell.model.name} ({cell.model.quantization})",
     )
 
 
-def _step_time_model(cell: Cell, gpu: str) -> tuple[StepTimeModel, str]:
-    """aiconfigurator's measured table where it covers the setup, else the roofline; both with
-    the serving flags (``--enforce-eager``) and V0's per-step TP broadcast."""
-    tp = cell.model.tensor_parallel
-    eager = cell.serving.enforce_eager
-    v0 = cell.recipe == "v0"
-
-    def roofline(arch: Architecture, gpu_name: str, tp_: int, quantization: str) -> StepTimeModel:
-        return RooflineStepTime(
-            arch, gpu_spec(gpu_name), tp_, quantization, enforce_eager=eager, v0_engine=v0
-        )
-
-    model, label = select_step_time_model(
-        cell.model.architecture, gpu, tp, cell.model.quantization, roofline=roofline
-    )
-    if isinstance(model, RooflineStepTime):
-        return model, label
-    arch = load_architecture(cell.model.architecture)
-    decode_extra = eager_overhead_ms(arch, tp) if eager else 0.0
-    any_step = V0_TP_STEP_BROADCAST_MS if v0 and tp > 1 else 0.0
-    if decode_extra or any_step:
-        extras = ["enforce_eager"] if eager else []
-        extras += ["V0 TP broadcast"] if any_step else []
-        return WithDecodeOverhead(model, decode_extra, any_step), f"{label} + {', '.join(extras)}"
-    return model, label
-
-
-def _parameters(cell: Cell, setup: _Setup, driver: _RoundRobin | _Disaggregated) -> dict[str, Any]:
+def _parameters(
+    cell: Cell, setup: EngineSetup, driver: _RoundRobin | _Disaggregated
+) -> dict[str, Any]:
     return {
         "gpu": cell.engine.get("gpu", DEFAULT_GPU),
         "tensor_parallel": cell.model.tensor_parallel,
@@ -380,7 +302,9 @@ class _ReceiveStep:
 class _Disaggregated:
     """Prefill instance → proxy → (KV transfer) → decode instance, on one event queue."""
 
-    def __init__(self, cell: Cell, setup: _Setup, prefill: EngineInstance, decode: EngineInstance):
+    def __init__(
+        self, cell: Cell, setup: EngineSetup, prefill: EngineInstance, decode: EngineInstance
+    ):
         self.cell = cell
         self.prefill = prefill
         self.decode = decode

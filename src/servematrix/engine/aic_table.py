@@ -378,14 +378,15 @@ def _roofline(arch: Architecture, gpu: str, tp: int, quantization: str) -> StepT
 
 
 def select_step_time_model(
-    arch_name: str,
+    arch_name: str | Architecture,
     gpu: str,
     tp: int,
     quantization: str,
     roofline: Callable[[Architecture, str, int, str], StepTimeModel] = _roofline,
 ) -> tuple[StepTimeModel, str]:
-    """aiconfigurator's tables where they cover the setup, else the roofline; with its label."""
-    arch = load_architecture(arch_name)
+    """aiconfigurator's tables where they cover the setup, else the roofline; with its label.
+    ``arch_name`` may also be an architecture already loaded (a user's ``config.json``)."""
+    arch = load_architecture(arch_name) if isinstance(arch_name, str) else arch_name
     try:
         model = AicStepTime(arch, gpu, tp, quantization)
     except AicUnsupportedError as why:

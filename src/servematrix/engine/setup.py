@@ -1,0 +1,135 @@
+"""Build one engine configuration from serving parameters: the single builder the simulator
+and the emulator share, so both run exactly the same engine for the same flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from servematrix.engine.aic_table import select_step_time_model
+from servematrix.engine.architecture import Architecture, load_architecture
+from servematrix.engine.hardware import gpu_spec
+from servematrix.engine.instance import EngineInstance, Jitter
+from servematrix.engine.kvcache import BlockPool, KvMemoryPlan, plan_kv_memory
+from servematrix.engine.roofline import (
+    V0_TP_STEP_BROADCAST_MS,
+    RooflineStepTime,
+    eager_overhead_ms,
+    weight_bytes,
+)
+from servematrix.engine.scheduler import Scheduler, SchedulerConfig, scheduler_config
+from servematrix.engine.steptime import StepTimeModel, WithDecodeOverhead
+
+DEFAULT_GPU = "A100-SXM4-80GB"
+DEFAULT_JITTER_CV = 0.03
+"""Step-to-step variation of a GPU forward pass (peers §2.9: CV about 3-5 %)."""
+DEFAULT_STRAGGLER_PROBABILITY = 0.005
+"""Share of steps hit by a host hiccup (see ``Jitter``); approximate, docs/engine-model.md."""
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """Everything an instance is made of, shared by every instance of a deployment."""
+
+    arch: Architecture
+    gpu: str
+    step_time: StepTimeModel
+    step_time_label: str
+    scheduler: SchedulerConfig
+    kv: KvMemoryPlan
+    jitter_cv: float
+    straggler_probability: float
+
+    def instance(self, seed: int, index: int = 0) -> EngineInstance:
+        """A fresh instance; its jitter stream is seeded by (seed, instance index)."""
+        return EngineInstance(
+            Scheduler(
+                self.scheduler, BlockPool(self.kv.num_blocks, watermark=self.scheduler.watermark)
+            ),
+            self.step_time,
+            Jitter(
+                self.jitter_cv,
+                np.random.SeedSequence([seed, index]),
+                self.straggler_probability,
+            ),
+        )
+
+
+def build_engine_setup(
+    architecture: str | Architecture,
+    *,
+    quantization: str,
+    tensor_parallel: int,
+    recipe: str,
+    chunked_prefill: bool | None,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    gpu: str = DEFAULT_GPU,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+    enforce_eager: bool = False,
+    jitter_cv: float = DEFAULT_JITTER_CV,
+    straggler_probability: float = DEFAULT_STRAGGLER_PROBABILITY,
+    step_time: StepTimeModel | None = None,
+    model_label: str | None = None,
+) -> EngineSetup:
+    """The engine vLLM would run for these flags.
+
+    ``architecture`` is a shipped architecture's name or one already loaded (a user's
+    ``config.json``); ``chunked_prefill`` None keeps the recipe's default; ``max_num_seqs`` and
+    ``max_num_batched_tokens`` None keep vLLM's defaults; ``step_time`` replaces the step-time
+    model (tests); ``model_label`` names the model in start-up errors (default: the
+    architecture and quantization).
+    """
+    arch = load_architecture(architecture) if isinstance(architecture, str) else architecture
+    spec = gpu_spec(gpu)
+    sched = scheduler_config(
+        recipe, chunked_prefill, max_model_len, spec.name, max_num_batched_tokens
+    )
+    if max_num_seqs is not None:
+        sched = replace(sched, max_num_seqs=max_num_seqs)
+    kv = plan_kv_memory(
+        model_label=model_label or f"{arch.name} ({quantization})",
+        arch=arch,
+        weight_bytes=weight_bytes(arch, quantization),
+        gpu=spec,
+        tp=tensor_parallel,
+        gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_num_seqs=sched.max_num_seqs,
+    )
+    if step_time is not None:
+        model, label = step_time, f"given ({type(step_time).__name__})"
+    else:
+        model, label = step_time_model(
+            arch, spec.name, tensor_parallel, quantization, recipe, enforce_eager
+        )
+    return EngineSetup(
+        arch, spec.name, model, label, sched, kv, float(jitter_cv), float(straggler_probability)
+    )
+
+
+def step_time_model(
+    arch: Architecture, gpu: str, tp: int, quantization: str, recipe: str, enforce_eager: bool
+) -> tuple[StepTimeModel, str]:
+    """aiconfigurator's measured table where it covers the setup, else the roofline; both with
+    the serving flags (``--enforce-eager``) and V0's per-step TP broadcast."""
+    v0 = recipe == "v0"
+
+    def roofline(arch: Architecture, gpu_name: str, tp_: int, quantization: str) -> StepTimeModel:
+        return RooflineStepTime(
+            arch, gpu_spec(gpu_name), tp_, quantization, enforce_eager=enforce_eager, v0_engine=v0
+        )
+
+    model, label = select_step_time_model(arch, gpu, tp, quantization, roofline=roofline)
+    if isinstance(model, RooflineStepTime):
+        return model, label
+    decode_extra = eager_overhead_ms(arch, tp) if enforce_eager else 0.0
+    any_step = V0_TP_STEP_BROADCAST_MS if v0 and tp > 1 else 0.0
+    if decode_extra or any_step:
+        extras = ["enforce_eager"] if enforce_eager else []
+        extras += ["V0 TP broadcast"] if any_step else []
+        return WithDecodeOverhead(model, decode_extra, any_step), f"{label} + {', '.join(extras)}"
+    return model, label
