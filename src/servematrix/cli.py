@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from servematrix import config, metrics, trace
+from servematrix.deploy import dryrun as deploy_dryrun
 
 LATENCY_ROWS = (
     ("Time to First Token", "ttft"),
@@ -74,6 +75,7 @@ def parser() -> argparse.ArgumentParser:
         help="goodput SLO, e.g. ttft=2000",
     )
     show.set_defaults(run=_metrics)
+    deploy_dryrun.add_parser(commands)
     return top
 
 

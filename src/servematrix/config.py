@@ -99,6 +99,8 @@ class Cell:
     workload: Workload
     serving: Serving
     engine: Mapping[str, Any] = field(default_factory=dict)
+    deploy: Mapping[str, Any] = field(default_factory=dict)
+    """How the backend reaches a server: `deploy` settings, `ports`, `base_url` (not simulator)."""
 
     @property
     def path(self) -> str:
@@ -124,6 +126,7 @@ class Cell:
             workload=Workload(**data["workload"]),
             serving=Serving(**data["serving"]),
             engine=dict(data.get("engine", {})),
+            deploy=dict(data.get("deploy", {})),
         )
 
 
@@ -301,6 +304,7 @@ def _study(
                             workload=workload,
                             serving=serving,
                             engine=dict(raw["engine"]),
+                            deploy=deploy_settings(raw),
                         )
                     )
     return Study(
@@ -314,6 +318,14 @@ def _study(
         x=data["x"],
         cells=tuple(cells),
     )
+
+
+def deploy_settings(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """What a cell needs to reach its server; empty for the simulator, so that editing ports
+    or deploy settings never reruns simulated cells."""
+    if raw["backend"] == "simulator":
+        return {}
+    return {**raw.get("deploy", {}), "ports": dict(raw["ports"]), "base_url": raw.get("base_url")}
 
 
 def _check_shared_cells(studies: Mapping[str, Study]) -> None:
@@ -336,6 +348,8 @@ def load(raw: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) -> Config:
     models = {name: _model_spec(name, spec) for name, spec in data["models"].items()}
     studies = {name: _study(name, spec, data, models) for name, spec in data["studies"].items()}
     _check_shared_cells(studies)
+    if data["backend"] == "external" and not data.get("base_url"):
+        raise ConfigError("base_url", "backend external needs the server's base_url")
     return Config(
         backend=data["backend"],
         raw=data,

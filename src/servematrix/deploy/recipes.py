@@ -1,0 +1,515 @@
+"""Recipes: (model, mode, recipe, backend) -> the processes of a deployment, as data.
+
+A recipe is a table of argv segments, each kept or dropped by a named condition of the mode
+(aggregated, disaggregated, chunked prefill on/off, ...). The segments reproduce, token for
+token, the command lines of ``shared/reference/vllm-mooncake-spec.md`` §4 (v0: the published
+vLLM 0.6 studies; v1: current vLLM with the in-tree MooncakeConnector). What servematrix adds
+to those lines always comes *after* them, so the published line stays a prefix of ours:
+
+* ``--host H`` (services bind 127.0.0.1 unless ``deploy.host`` says otherwise; vLLM's own
+  default is every interface);
+* ``--max-num-batched-tokens N`` / ``--enforce-eager`` when the config sets them;
+* for backend ``emulator`` the emulator-only flags (:data:`EMULATOR_FLAGS`), which describe
+  the simulated hardware and model that vLLM would learn from the GPU and the checkpoint.
+
+For backend ``emulator`` the executable part (``vllm serve`` or
+``python3 -m vllm.entrypoints.openai.api_server``) is replaced by ``servematrix-emulator serve``;
+every other token, the environment and the ports are identical to backend ``vllm``.
+
+Argv lists only: nothing here builds a shell string from config values (the dry run quotes
+them for display with :func:`shlex.join`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from servematrix.config import Cell
+
+EMULATOR_EXECUTABLE = ("servematrix-emulator", "serve")
+PROXY_EXECUTABLE = ("python3", "-m", "servematrix.proxy")
+DEPLOYMENT_DIR = "@DEPLOYMENT_DIR@"
+"""Placeholder for the deployment's own directory (mooncake.json, etcd data): filled in after
+the fingerprint is taken, so the fingerprint depends on the commands, not on where they run."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Argv tokens kept when ``when`` holds (None = always); ``{name}`` is filled per instance."""
+
+    tokens: tuple[str, ...]
+    when: str | None = None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    executable: tuple[str, ...]
+    args: tuple[Segment, ...]
+    kv_transfer_config: Mapping[str, Mapping[str, Any]]
+    """``--kv-transfer-config`` per role (``kv_producer``, ``kv_consumer``), ``{...}`` filled."""
+    producer_env: Mapping[str, str] = field(default_factory=dict)
+    disaggregated_env: Mapping[str, str] = field(default_factory=dict)
+    etcd: bool = False
+    """Mooncake modes need an etcd server and a ``mooncake.json`` (v0 only)."""
+    disagg_proxy: str = "disagg-v1"
+
+
+V0 = Recipe(
+    name="v0",
+    executable=("python3", "-m", "vllm.entrypoints.openai.api_server"),
+    args=(
+        Segment(("--model", "{model}")),
+        Segment(("--port", "{port}", "-tp", "{tp}", "--max-model-len", "{max_model_len}")),
+        # The published aggregated launches silence the per-request logs; the Mooncake doc's
+        # disaggregated launches do not (spec §1.1 vs §2.2).
+        Segment(("--disable-log-stats", "--disable-log-requests"), "aggregated"),
+        Segment(("--enable-chunked-prefill",), "chunked_on"),
+        Segment(("--gpu-memory-utilization", "{gpu_memory_utilization}")),
+        Segment(("--kv-transfer-config", "{kv_transfer_config}"), "disaggregated"),
+    ),
+    kv_transfer_config={
+        "kv_producer": {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": "kv_producer",
+            "kv_rank": 0,
+            "kv_parallel_size": 2,
+            "kv_buffer_size": "{kv_buffer_size}",
+        },
+        "kv_consumer": {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": "kv_consumer",
+            "kv_rank": 1,
+            "kv_parallel_size": 2,
+            "kv_buffer_size": "{kv_buffer_size}",
+        },
+    },
+    disaggregated_env={"MOONCAKE_CONFIG_PATH": f"{DEPLOYMENT_DIR}/mooncake.json"},
+    etcd=True,
+    disagg_proxy="disagg-v0",
+)
+
+V1 = Recipe(
+    name="v1",
+    executable=("vllm", "serve"),
+    args=(
+        Segment(("{model}",)),
+        Segment(("--port", "{port}", "-tp", "{tp}", "--max-model-len", "{max_model_len}")),
+        Segment(("--gpu-memory-utilization", "{gpu_memory_utilization}")),
+        # Parity with v0: V1 turns prefix caching and chunked prefill on by default.
+        Segment(("--no-enable-prefix-caching",)),
+        Segment(("--no-enable-chunked-prefill",), "chunked_off"),
+        Segment(("--enable-chunked-prefill",), "chunked_on"),
+        Segment(("--kv-transfer-config", "{kv_transfer_config}"), "disaggregated"),
+    ),
+    kv_transfer_config={
+        role: {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"mooncake_protocol": "{protocol}"},
+        }
+        for role in ("kv_producer", "kv_consumer")
+    },
+    producer_env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": "{bootstrap_port}"},
+    disagg_proxy="disagg-v1",
+)
+
+RECIPES: dict[str, Recipe] = {"v0": V0, "v1": V1}
+
+EMULATOR_FLAGS = (
+    "--architecture",
+    "--quantization-scheme",
+    "--gpu",
+    "--recipe",
+    "--seed",
+)
+"""Appended for backend ``emulator`` only (see :func:`emulator_flags`)."""
+
+DEFAULT_PORTS = {
+    "proxy": 8090,
+    "prefill": 8100,
+    "decode": 8200,
+    "single": 8997,
+    "etcd": 2379,
+    "bootstrap": 8998,
+    "mooncake": 13003,
+}
+DEFAULT_DEPLOY = {
+    "host": "127.0.0.1",
+    "kv_host": "127.0.0.1",
+    "rdma_device": "",
+    "startup_timeout_s": 1200.0,
+    "stop_timeout_s": 30.0,
+    "idle_timeout_s": 600.0,
+    "gpu_lock_timeout_s": 86400.0,
+    "warm": True,
+    "state_dir": None,
+    "base_url": None,
+}
+MOONCAKE_DECODE_OFFSET = 100
+"""Decode transfer-engine base port = prefill's + 100 (what vLLM 0.6 does for equal URLs)."""
+KV_BUFFER_SIZE = "2e9"
+
+
+@dataclass(frozen=True)
+class Health:
+    """How to tell a process is ready: GET ``url`` answers 200 (etcd: its own /health)."""
+
+    url: str
+
+
+@dataclass(frozen=True)
+class Process:
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    """Variables set on top of the caller's environment, in display order."""
+    port: int
+    health: Health
+    gpus: tuple[int, ...] = ()
+    extra_ports: tuple[int, ...] = ()
+    """Other ports it binds (bootstrap server, transfer engine): checked free before start."""
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        return (self.port, *self.extra_ports)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "argv": list(self.argv),
+            "env": dict(self.env),
+            "port": self.port,
+            "health": self.health.url,
+            "gpus": list(self.gpus),
+            "extra_ports": list(self.extra_ports),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Process:
+        return cls(
+            name=data["name"],
+            argv=tuple(data["argv"]),
+            env=dict(data["env"]),
+            port=data["port"],
+            health=Health(data["health"]),
+            gpus=tuple(data["gpus"]),
+            extra_ports=tuple(data["extra_ports"]),
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A deployment: its processes in start order, and where a client sends requests."""
+
+    backend: str
+    recipe: str
+    model: str
+    mode: str
+    processes: tuple[Process, ...]
+    base_url: str
+    fingerprint: str
+    files: Mapping[str, str] = field(default_factory=dict)
+    """Files written into the deployment directory before start (name -> content)."""
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        return tuple(sorted({g for p in self.processes for g in p.gpus}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "recipe": self.recipe,
+            "model": self.model,
+            "mode": self.mode,
+            "processes": [p.to_dict() for p in self.processes],
+            "base_url": self.base_url,
+            "fingerprint": self.fingerprint,
+            "files": dict(self.files),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        return cls(
+            backend=data["backend"],
+            recipe=data["recipe"],
+            model=data["model"],
+            mode=data["mode"],
+            processes=tuple(Process.from_dict(p) for p in data["processes"]),
+            base_url=data["base_url"],
+            fingerprint=data["fingerprint"],
+            files=dict(data["files"]),
+        )
+
+    def resolve(self, deployment_dir: str) -> Plan:
+        """The plan with its directory placeholder replaced (argv, env and file contents)."""
+
+        def fill(text: str) -> str:
+            return text.replace(DEPLOYMENT_DIR, deployment_dir)
+
+        processes = tuple(
+            Process(
+                p.name,
+                tuple(fill(a) for a in p.argv),
+                {k: fill(v) for k, v in p.env.items()},
+                p.port,
+                p.health,
+                p.gpus,
+                p.extra_ports,
+            )
+            for p in self.processes
+        )
+        return Plan(
+            self.backend,
+            self.recipe,
+            self.model,
+            self.mode,
+            processes,
+            self.base_url,
+            self.fingerprint,
+            {k: fill(v) for k, v in self.files.items()},
+        )
+
+
+def _conditions(cell: Cell) -> dict[str, bool]:
+    mode = cell.mode
+    return {
+        "aggregated": not mode.disaggregated,
+        "disaggregated": mode.disaggregated,
+        "chunked_on": mode.chunked_prefill is True,
+        "chunked_off": mode.chunked_prefill is False,
+    }
+
+
+def _fill(template: Any, values: Mapping[str, Any]) -> Any:
+    if isinstance(template, str):
+        return template.format(**values)
+    if isinstance(template, Mapping):
+        return {k: _fill(v, values) for k, v in template.items()}
+    return template
+
+
+def _kv_json(config: Mapping[str, Any]) -> str:
+    """The flag's JSON exactly as the published lines spell it (compact; 2e9 unquoted)."""
+    text = json.dumps(config, separators=(",", ":"))
+    return text.replace(f'"{KV_BUFFER_SIZE}"', KV_BUFFER_SIZE)
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def emulator_flags(cell: Cell) -> list[str]:
+    """What vLLM learns from the GPU and the checkpoint, told to the emulator explicitly."""
+    engine = dict(cell.engine)
+    flags = [
+        "--architecture",
+        cell.model.architecture,
+        "--quantization-scheme",
+        cell.model.quantization,
+        "--gpu",
+        str(engine.get("gpu", "A100-SXM4-80GB")),
+        "--recipe",
+        cell.recipe,
+        "--seed",
+        str(cell.workload.seed),
+    ]
+    for key in ("jitter_cv", "straggler_probability"):
+        if key in engine:
+            flags += [f"--{key.replace('_', '-')}", _number(float(engine[key]))]
+    return flags
+
+
+def _server_argv(
+    recipe: Recipe, cell: Cell, backend: str, port: int, role: str | None, host: str
+) -> list[str]:
+    conditions = _conditions(cell)
+    values: dict[str, Any] = {
+        "model": cell.model.hf_id,
+        "port": port,
+        "tp": cell.model.tensor_parallel,
+        "max_model_len": cell.serving.max_model_len,
+        "gpu_memory_utilization": _number(cell.serving.gpu_memory_utilization),
+        "protocol": cell.mode.kv_protocol,
+        "kv_buffer_size": KV_BUFFER_SIZE,
+    }
+    if role is not None:
+        values["kv_transfer_config"] = _kv_json(_fill(recipe.kv_transfer_config[role], values))
+    executable = list(EMULATOR_EXECUTABLE if backend == "emulator" else recipe.executable)
+    argv = executable
+    for segment in recipe.args:
+        if segment.when is None or conditions[segment.when]:
+            argv += [token.format(**values) for token in segment.tokens]
+    argv += ["--host", host]
+    if cell.serving.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(cell.serving.max_num_batched_tokens)]
+    if cell.serving.enforce_eager:
+        argv.append("--enforce-eager")
+    if backend == "emulator":
+        argv += emulator_flags(cell)
+    return argv
+
+
+def _settings(cell: Cell) -> tuple[dict[str, int], dict[str, Any]]:
+    deploy = {**DEFAULT_DEPLOY, **dict(cell.deploy)}
+    ports = {**DEFAULT_PORTS, **dict(deploy.get("ports") or {})}
+    return ports, deploy
+
+
+def _url(host: str, port: int) -> str:
+    # A server bound to every interface is reached on loopback.
+    reach = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{reach}:{port}"
+
+
+def mooncake_json(cell: Cell, ports: Mapping[str, int], deploy: Mapping[str, Any]) -> str:
+    """The v0 connector's config file (spec §4): transfer-engine URLs, etcd, protocol, NIC."""
+    kv_host = deploy["kv_host"]
+    protocol = cell.mode.kv_protocol
+    document = {
+        "prefill_url": f"{kv_host}:{ports['mooncake']}",
+        "decode_url": f"{kv_host}:{ports['mooncake'] + MOONCAKE_DECODE_OFFSET}",
+        "metadata_server": f"etcd://{kv_host}:{ports['etcd']}",
+        "protocol": protocol,
+        "device_name": deploy["rdma_device"] if protocol == "rdma" else "",
+    }
+    return json.dumps(document, indent=2) + "\n"
+
+
+def _mooncake_ports(base: int, tp: int) -> tuple[int, ...]:
+    # vLLM 0.6 MooncakePipe: transfer engine on base + rank, ZMQ on base + 8 + 2*rank + {1, 2}.
+    engine = [base + rank for rank in range(tp)]
+    zmq = [base + 8 + 2 * rank + k for rank in range(tp) for k in (1, 2)]
+    return tuple(engine + zmq)
+
+
+def _etcd(host: str, port: int) -> Process:
+    peer = port + 1
+    argv = (
+        "etcd",
+        "--listen-client-urls",
+        f"http://{host}:{port}",
+        "--advertise-client-urls",
+        f"http://localhost:{port}" if host in ("0.0.0.0", "127.0.0.1") else f"http://{host}:{port}",
+        # A private data directory and peer port: a default etcd writes ./default.etcd and
+        # listens on 2380, which would collide with any other etcd on the host.
+        "--name",
+        "servematrix",
+        "--data-dir",
+        f"{DEPLOYMENT_DIR}/etcd-data",
+        "--listen-peer-urls",
+        f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls",
+        f"http://127.0.0.1:{peer}",
+        "--initial-cluster",
+        f"servematrix=http://127.0.0.1:{peer}",
+    )
+    return Process("etcd", argv, {}, port, Health(_url(host, port) + "/health"), (), (peer,))
+
+
+def plan(cell: Cell, backend: str | None = None) -> Plan:
+    """The deployment a cell needs on ``backend`` (default: the cell's own)."""
+    backend = backend or cell.backend
+    if backend not in ("vllm", "emulator"):
+        raise ValueError(f"backend {backend!r} starts no deployment")
+    recipe = RECIPES[cell.recipe]
+    ports, deploy = _settings(cell)
+    host = deploy["host"]
+    mode = cell.mode
+    pins = cell.instance_gpus
+    files: dict[str, str] = {}
+    processes: list[Process] = []
+
+    def server(name: str, port: int, gpus: tuple[int, ...], role: str | None) -> Process:
+        env: dict[str, str] = {}
+        extra: tuple[int, ...] = ()
+        if role is not None:
+            values = {"bootstrap_port": ports["bootstrap"]}
+            env.update({k: v.format(**values) for k, v in recipe.disaggregated_env.items()})
+            if role == "kv_producer":
+                env.update({k: v.format(**values) for k, v in recipe.producer_env.items()})
+                if recipe.producer_env:
+                    tp = cell.model.tensor_parallel
+                    extra = tuple(ports["bootstrap"] + rank for rank in range(tp))
+            if recipe.etcd:
+                base = ports["mooncake"] + (0 if role == "kv_producer" else MOONCAKE_DECODE_OFFSET)
+                extra += _mooncake_ports(base, cell.model.tensor_parallel)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        argv = _server_argv(recipe, cell, backend, port, role, host)
+        return Process(
+            name, tuple(argv), env, port, Health(_url(host, port) + "/health"), gpus, extra
+        )
+
+    if mode.instances == 1:
+        processes.append(server("single", ports["single"], pins[0], None))
+        entry = ports["single"]
+    else:
+        if mode.disaggregated and recipe.etcd:
+            processes.append(_etcd(host, ports["etcd"]))
+            files["mooncake.json"] = mooncake_json(cell, ports, deploy)
+        prefill_role, decode_role = (
+            ("kv_producer", "kv_consumer")
+            if mode.disaggregated
+            else (
+                None,
+                None,
+            )
+        )
+        prefill = server("prefill", ports["prefill"], pins[0], prefill_role)
+        decode = server("decode", ports["decode"], pins[1], decode_role)
+        processes += [prefill, decode]
+        prefill_url, decode_url = _url(host, ports["prefill"]), _url(host, ports["decode"])
+        proxy_argv = [*PROXY_EXECUTABLE]
+        if not mode.disaggregated:
+            proxy_argv += ["round-robin", "--upstream", prefill_url, "--upstream", decode_url]
+        elif recipe.disagg_proxy == "disagg-v0":
+            proxy_argv += ["disagg-v0", "--prefill", prefill_url, "--decode", decode_url]
+        else:
+            proxy_argv += [
+                "disagg-v1",
+                "--prefill",
+                prefill_url,
+                str(ports["bootstrap"]),
+                "--decode",
+                decode_url,
+            ]
+        proxy_argv += ["--port", str(ports["proxy"]), "--host", host]
+        processes.append(
+            Process(
+                "proxy",
+                tuple(proxy_argv),
+                {},
+                ports["proxy"],
+                Health(_url(host, ports["proxy"]) + "/health"),
+            )
+        )
+        entry = ports["proxy"]
+    fingerprint = _fingerprint(backend, recipe.name, processes, files)
+    return Plan(
+        backend=backend,
+        recipe=recipe.name,
+        model=cell.model.name,
+        mode=mode.name,
+        processes=tuple(processes),
+        base_url=_url(host, entry) + "/v1",
+        fingerprint=fingerprint,
+        files=files,
+    )
+
+
+def _fingerprint(
+    backend: str, recipe: str, processes: list[Process], files: Mapping[str, str]
+) -> str:
+    """Same fingerprint = same recipe and command lines: a running deployment may be reused."""
+    document = {
+        "backend": backend,
+        "recipe": recipe,
+        "processes": [p.to_dict() for p in processes],
+        "files": dict(files),
+    }
+    digest = hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
+    return digest[:16]
