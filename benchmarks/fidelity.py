@@ -414,30 +414,352 @@ def format_spread(runs: Sequence[Sequence[Comparison]]) -> list[str]:
     return lines
 
 
-def write_csv(comparisons: Sequence[Comparison], path: Path) -> None:
-    """Long format: one line per (row, metric) with predicted, published and ratio."""
+# --- Validation set -------------------------------------------------------------------------
+
+VALIDATION_CSV = PUBLISHED_CSV.parent / "validation_published.csv"
+REGIMES = ("low", "moderate", "saturated")
+THROUGHPUT_METRICS = ("speed_tokens_per_s", "request_throughput_per_s")
+"""Metrics where higher is better; the ratio is still predicted / published."""
+SETUP_COLUMNS = (
+    "source", "row", "gpu", "model", "architecture", "quantization", "tp", "vllm", "recipe",
+    "interface", "dataset", "input_len", "output_len", "num_prompts", "request_rate",
+    "max_concurrency", "max_model_len", "gpu_memory_utilization", "enforce_eager", "regime",
+    "note",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ValidationRun:
+    """One published setup of the validation set and the values published for it."""
+
+    source: str
+    row: str
+    gpu: str
+    model: str
+    architecture: str
+    quantization: str
+    tp: int
+    vllm: str
+    recipe: str
+    interface: str  # "offline-llm" | "serve"
+    dataset: str
+    input_len: int
+    output_len: int
+    num_prompts: int
+    request_rate: float | None
+    max_concurrency: int | None
+    max_model_len: int
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    regime: str
+    note: str
+    published: dict[str, float]
+
+    @property
+    def label(self) -> str:
+        return f"{self.source} {self.row}"
+
+    @property
+    def vllm_version(self) -> tuple[int, ...]:
+        return tuple(int(part) for part in self.vllm.split("."))
+
+
+def load_validation(path: Path = VALIDATION_CSV) -> list[ValidationRun]:
+    """Parse the validation file (``#`` lines are the provenance header); lines with the same
+    setup are one run with several published metrics."""
+    with path.open(newline="") as handle:
+        lines = [line for line in handle if not line.startswith("#")]
+    runs: dict[tuple[str, ...], ValidationRun] = {}
+    for record in csv.DictReader(lines):
+        key = tuple(record[column] for column in SETUP_COLUMNS)
+        if key not in runs:
+            runs[key] = ValidationRun(
+                source=record["source"],
+                row=record["row"],
+                gpu=record["gpu"],
+                model=record["model"],
+                architecture=record["architecture"],
+                quantization=record["quantization"],
+                tp=int(record["tp"]),
+                vllm=record["vllm"],
+                recipe=record["recipe"],
+                interface=record["interface"],
+                dataset=record["dataset"],
+                input_len=int(record["input_len"]),
+                output_len=int(record["output_len"]),
+                num_prompts=int(record["num_prompts"]),
+                request_rate=float(record["request_rate"]) if record["request_rate"] else None,
+                max_concurrency=(
+                    int(record["max_concurrency"]) if record["max_concurrency"] else None
+                ),
+                max_model_len=int(record["max_model_len"]),
+                gpu_memory_utilization=float(record["gpu_memory_utilization"]),
+                enforce_eager=record["enforce_eager"] == "true",
+                regime=record["regime"],
+                note=record["note"],
+                published={},
+            )
+        runs[key].published[record["metric"]] = float(record["value"])
+    return list(runs.values())
+
+
+def validation_unsupported(run: ValidationRun) -> str | None:
+    """Why a published setup cannot be simulated as stated, or None."""
+    if run.input_len + run.output_len > run.max_model_len:
+        return (
+            f"published max_model_len {run.max_model_len} < input {run.input_len} + output "
+            f"{run.output_len}: the stated setup cannot have run (inconsistent source row)"
+        )
+    if run.max_concurrency is not None:
+        return "a concurrency-capped client is not simulated yet"
+    if run.interface not in ("offline-llm", "serve"):
+        return f"unknown interface {run.interface!r}"
+    return None
+
+
+def _v0_chunked_budget(run: ValidationRun) -> int | None:
+    """vLLM < 0.6.5 chunks prefills in 512-token pieces (PR #10544 raised it to 2048); V0
+    turns chunking on by itself above max_model_len 32768."""
+    if run.recipe == "v0" and run.max_model_len > 32768 and run.vllm_version < (0, 6, 5):
+        return CHUNKED_BUDGET_V062
+    return None
+
+
+def predict_validation(run: ValidationRun, seed: int) -> dict[str, float]:
+    """The simulator's value of every metric the run publishes."""
+    if run.interface == "offline-llm":
+        return _predict_offline(run, seed)
+    return _predict_serve(run, seed)
+
+
+def _predict_offline(run: ValidationRun, seed: int) -> dict[str, float]:
+    """``LLM.generate([prompt])`` timed around the call: one request through one instance, no
+    HTTP server or client in the path."""
+    from servematrix.engine.scheduler import Request
+    from servematrix.engine.setup import build_engine_setup
+
+    setup = build_engine_setup(
+        run.architecture,
+        quantization=run.quantization,
+        tensor_parallel=run.tp,
+        recipe=run.recipe,
+        chunked_prefill=None,
+        max_model_len=run.max_model_len,
+        gpu_memory_utilization=run.gpu_memory_utilization,
+        gpu=run.gpu,
+        max_num_batched_tokens=_v0_chunked_budget(run),
+        enforce_eager=run.enforce_eager,
+    )
+    instance = setup.instance(seed)
+    instance.add_request(Request(0, run.input_len, run.output_len))
+    elapsed_s = 0.0
+    while instance.has_work():
+        decodes = instance.decode_run(float("inf"))
+        if decodes is not None:
+            elapsed_s += decodes.step_ends_s[-1]
+        else:
+            elapsed_s += instance.step().duration_s
+    return {"speed_tokens_per_s": run.output_len / elapsed_s}
+
+
+def _predict_serve(run: ValidationRun, seed: int) -> dict[str, float]:
+    """An OpenAI server and ``vllm bench serve`` (one warm-up request, then the run)."""
+    model = ModelSpec(
+        name=run.model.split("/")[-1],
+        hf_id=run.model,
+        architecture=run.architecture,
+        quantization=run.quantization,
+        tensor_parallel=run.tp,
+        gpus=(tuple(range(run.tp)),),
+    )
+    workload = Workload(
+        qps=run.request_rate if run.request_rate is not None else float("inf"),
+        input_len=run.input_len,
+        output_len=run.output_len,
+        num_prompts=run.num_prompts,
+        seed=seed,
+        dataset=run.dataset,
+        burstiness=1.0,
+        warmup_requests=1,
+    )
+    cell = Cell(
+        backend="simulator",
+        recipe=run.recipe,
+        model=model,
+        mode=MODES["single"],
+        workload=workload,
+        serving=Serving(
+            run.max_model_len, run.gpu_memory_utilization, enforce_eager=run.enforce_eager
+        ),
+        engine={"gpu": run.gpu},
+    )
+    metrics = predict(cell)
+    values = {name: getattr(metrics, name) for name in METRICS}
+    values["request_throughput_per_s"] = metrics.request_throughput
+    return values
+
+
+@dataclass(frozen=True)
+class Point:
+    """One published value and the simulator's value of it at each seed (seed 0 first)."""
+
+    set_name: str  # "calibration" | "validation"
+    source: str
+    regime: str
+    label: str
+    metric: str
+    published: float
+    predicted: tuple[float, ...]
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted[0] / self.published
+
+    @property
+    def ratio_range(self) -> tuple[float, float]:
+        return min(self.predicted) / self.published, max(self.predicted) / self.published
+
+    def in_band_at(self, seed_index: int) -> bool:
+        return in_band(self.predicted[seed_index] / self.published)
+
+
+def calibration_regime(row: PublishedRow) -> str:
+    """Saturated when the published run outlasted its arrivals by more than 10 % (the queue
+    drained after the last send), else moderate."""
+    return "saturated" if row.duration_s > 1.1 * row.completed / row.qps else "moderate"
+
+
+def calibration_points(runs: Sequence[Sequence[Comparison]]) -> list[Point]:
+    points = []
+    for index, comparison in enumerate(runs[0]):
+        row = comparison.setup.row
+        if comparison.setup.cell is None:
+            continue
+        for metric in METRICS:
+            predicted = tuple(run[index].predicted_ms[metric] for run in runs)
+            points.append(
+                Point(
+                    "calibration",
+                    f"mooncake-{row.doc}",
+                    calibration_regime(row),
+                    row.label,
+                    metric,
+                    row.metrics_ms[metric],
+                    predicted,
+                )
+            )
+    return points
+
+
+def validation_points(
+    runs: Sequence[ValidationRun], seeds: int
+) -> tuple[list[Point], list[tuple[ValidationRun, str]]]:
+    """Simulate every supported run at seeds 0..seeds-1; also the runs left out, with why."""
+    points: list[Point] = []
+    skipped: list[tuple[ValidationRun, str]] = []
+    for run in runs:
+        why = validation_unsupported(run)
+        if why is None:
+            try:
+                predictions = [predict_validation(run, seed) for seed in range(seeds)]
+            except (ValueError, RuntimeError) as error:  # e.g. the model does not fit
+                why = f"{type(error).__name__}: {error}"
+        if why is not None:
+            skipped.append((run, why))
+            continue
+        for metric, published in run.published.items():
+            predicted = tuple(prediction[metric] for prediction in predictions)
+            points.append(
+                Point("validation", run.source, run.regime, run.label, metric, published, predicted)
+            )
+    return points, skipped
+
+
+def _share(points: Sequence[Point], seed_index: int = 0) -> tuple[int, int]:
+    return sum(p.in_band_at(seed_index) for p in points), len(points)
+
+
+def _share_text(points: Sequence[Point], seeds: int) -> str:
+    inside, total = _share(points)
+    text = f"{inside:>4}/{total:<4} {100 * inside / total:5.1f} %" if total else "   -"
+    if seeds > 1 and total:
+        per_seed = [_share(points, k)[0] for k in range(seeds)]
+        median = statistics.median(per_seed)
+        text += f"  seeds {min(per_seed)}-{max(per_seed)} (median {median:g}, "
+        text += f"{100 * median / total:.0f} %)"
+    return text
+
+
+def format_breakdown(points: Sequence[Point], seeds: int, title: str) -> list[str]:
+    """In-band share per source, regime and metric, and overall (seed 0; seed range with
+    ``--seeds``)."""
+    low, high = BAND
+    lines = [f"== {title}: ratios predicted/published within {low}-{high} (seed 0)"]
+    if not points:
+        return [*lines, "no simulated values"]
+    lines.append(f"{'all':<52} {_share_text(points, seeds)}")
+    for regime in REGIMES:
+        subset = [p for p in points if p.regime == regime]
+        if subset:
+            lines.append(f"{'  regime ' + regime:<52} {_share_text(subset, seeds)}")
+    groups: dict[tuple[str, str, str], list[Point]] = {}
+    for point in points:
+        groups.setdefault((point.source, point.regime, point.metric), []).append(point)
+    for (source, regime, metric), subset in groups.items():
+        ratios = sorted(p.ratio for p in subset)
+        median = statistics.median(ratios)
+        name = f"  {source} / {regime} / {metric}"
+        lines.append(
+            f"{name:<52} {_share_text(subset, seeds)}  ratio median {median:.2f} "
+            f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]"
+        )
+    return lines
+
+
+def format_validation(points: Sequence[Point], skipped, seeds: int) -> list[str]:
+    """One line per validation value: published, predicted (seed 0), ratio, seed range."""
+    lines = [
+        "== VALIDATION values (never used to fit or choose a model variant): published, "
+        "predicted at seed 0, ratio (! = outside band)"
+        + (f", ratio range over {seeds} seeds (* = published inside it)" if seeds > 1 else "")
+    ]
+    width = max((len(p.label) for p in points), default=10)
+    for point in points:
+        low, high = point.ratio_range
+        spread = ""
+        if seeds > 1:
+            inside = min(point.predicted) <= point.published <= max(point.predicted)
+            spread = f"  [{low:.2f}-{high:.2f}]{'*' if inside else ''}"
+        lines.append(
+            f"{point.label:<{width}} {point.metric:<24} {_number(point.published):>7} "
+            f"{_number(point.predicted[0]):>7} {_ratio_text(point.ratio)}{spread}"
+        )
+    for run, why in skipped:
+        lines.append(f"{run.label:<{width}} not simulated ({len(run.published)} values): {why}")
+    return lines
+
+
+def write_points_csv(points: Sequence[Point], path: Path) -> None:
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["row", "metric", "predicted", "published", "ratio", "approximations"])
-        for comparison in comparisons:
-            row = comparison.setup.row
-            for metric in METRICS:
-                ratio = comparison.ratio(metric)
-                writer.writerow(
-                    [
-                        row.label,
-                        metric,
-                        comparison.predicted_ms.get(metric, ""),
-                        row.metrics_ms[metric],
-                        "" if ratio is None else f"{ratio:.4f}",
-                        ",".join(comparison.setup.approximations),
-                    ]
-                )
+        writer.writerow(["set", "source", "regime", "row", "metric", "published", "predicted_seed0",
+                         "ratio", "ratio_min", "ratio_max"])  # fmt: skip
+        for p in points:
+            low, high = p.ratio_range
+            ratios = (f"{p.ratio:.4f}", f"{low:.4f}", f"{high:.4f}")
+            writer.writerow([p.set_name, p.source, p.regime, p.label, p.metric, p.published,
+                             p.predicted[0], *ratios])  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--table", action="append", help="only this published table (repeatable)")
+    parser.add_argument(
+        "--set",
+        choices=("calibration", "validation", "both"),
+        default="both",
+        help="which published set to compare (default both, reported separately)",
+    )
+    parser.add_argument("--table", action="append", help="only this calibration table (repeatable)")
     parser.add_argument(
         "--seeds",
         type=int,
@@ -447,25 +769,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--csv", type=Path, help="also write the comparison here (long format)")
     args = parser.parse_args(argv)
-    rows = load_published()
-    if args.table:
-        unknown = set(args.table) - {row.table for row in rows}
-        if unknown:
-            parser.error(f"unknown table(s) {sorted(unknown)}")
-        rows = [row for row in rows if row.table in args.table]
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
-    setups = [setup_for(row) for row in rows]
-    comparisons = compare(setups)
-    blocks = [format_setups(comparisons)]
-    blocks += [format_family(comparisons, family) for family in FAMILIES]
-    blocks.append(format_counts(comparisons))
-    if args.seeds > 1:
-        runs = [comparisons] + [compare(reseeded(setups, seed)) for seed in range(1, args.seeds)]
-        blocks.append(format_spread(runs))
+    blocks: list[list[str]] = []
+    points: list[Point] = []
+    if args.set in ("calibration", "both"):
+        rows = load_published()
+        if args.table:
+            unknown = set(args.table) - {row.table for row in rows}
+            if unknown:
+                parser.error(f"unknown table(s) {sorted(unknown)}")
+            rows = [row for row in rows if row.table in args.table]
+        setups = [setup_for(row) for row in rows]
+        comparisons = compare(setups)
+        blocks.append(["#### CALIBRATION set: Mooncake's A10 tables (the v0 KV-chain constants "
+                       "were fitted on these)"])  # fmt: skip
+        blocks.append(format_setups(comparisons))
+        blocks += [format_family(comparisons, family) for family in FAMILIES]
+        blocks.append(format_counts(comparisons))
+        runs = [comparisons]
+        if args.seeds > 1:
+            runs += [compare(reseeded(setups, seed)) for seed in range(1, args.seeds)]
+            blocks.append(format_spread(runs))
+        calibration = calibration_points(runs)
+        points += calibration
+        blocks.append(format_breakdown(calibration, args.seeds, "CALIBRATION"))
+    if args.set in ("validation", "both"):
+        validation, skipped = validation_points(load_validation(), args.seeds)
+        points += validation
+        blocks.append(["#### VALIDATION set: other public vLLM results (out of sample)"])
+        blocks.append(format_validation(validation, skipped, args.seeds))
+        blocks.append(format_breakdown(validation, args.seeds, "VALIDATION"))
     print("\n\n".join("\n".join(block) for block in blocks))
     if args.csv:
-        write_csv(comparisons, args.csv)
+        write_points_csv(points, args.csv)
     return 0
 
 

@@ -167,3 +167,54 @@ def test_spread_marks_misses_inside_the_seed_range() -> None:
     low = fidelity.format_spread([[_comparison(row, 0.5)], [_comparison(row, 0.6)]])
     assert "mean_ttft 0.50 [0.50-0.60]," in low[1]
     assert low[-2].endswith("inside the range of 2 seeds: 0")
+
+
+# --- Validation set ----------------------------------------------------------------------------
+
+RUNS = fidelity.load_validation()
+
+
+def test_validation_header_cites_every_source_with_a_commit() -> None:
+    text = fidelity.VALIDATION_CSV.read_text()
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    assert (
+        "speed_benchmark.rst\n#                 @ a912d239c2d0e2e5d10bb8d02e6f5685edb43e68"
+        in header
+    )
+    assert "H100_results.md\n#                 @ c41e22af024ae4166f175e52f43e070cb148b7c5" in header
+    for source in {run.source for run in RUNS}:
+        assert f"#   {source}:" in header
+
+
+def test_validation_set_size_and_coverage() -> None:
+    values = [(run, metric) for run in RUNS for metric in run.published]
+    assert len(values) >= 150
+    assert Counter(run.source for run, _ in values) == {"qwen25-speed": 147, "kvcached-h100": 6}
+    assert {run.gpu for run in RUNS} == {"A100-SXM4-80GB", "H100-SXM5-80GB"}
+    assert {run.regime for run in RUNS} == set(fidelity.REGIMES)
+
+
+def test_validation_values_are_positive_and_setups_consistent() -> None:
+    for run in RUNS:
+        assert run.regime in fidelity.REGIMES
+        assert run.recipe in RECIPES
+        assert all(value > 0 for value in run.published.values())
+        assert set(run.published) <= {*fidelity.METRICS, *fidelity.THROUGHPUT_METRICS}
+        load_architecture(run.architecture)
+        gpu_spec(run.gpu)
+        if run.interface == "offline-llm":
+            assert (run.num_prompts, run.request_rate, run.regime) == (1, None, "low")
+
+
+def test_only_the_inconsistent_source_rows_are_left_out() -> None:
+    skipped = [run for run in RUNS if fidelity.validation_unsupported(run)]
+    assert [(run.row, run.input_len) for run in skipped] == [
+        ("32B BF16 tp1 in6144 [setting1]", 6144),
+        ("32B BF16 tp1 in14336 [setting1]", 14336),
+    ]
+
+
+def test_v0_chunked_budget_follows_the_vllm_version() -> None:
+    by_row = {run.row: run for run in RUNS}
+    assert fidelity._v0_chunked_budget(by_row["7B BF16 tp1 in63488 [setting-64k]"]) == 512
+    assert fidelity._v0_chunked_budget(by_row["7B BF16 tp1 in6144"]) is None
