@@ -169,6 +169,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running) or bool(self.waiting)
 
+    def abort(self, request: Request) -> None:
+        """Drop a request that has not finished (its client went away) and free its blocks."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.running:
+            self.running.remove(request)
+        self.pool.free(request.num_blocks)
+        request.num_blocks = 0
+
     def schedule(self) -> ScheduledStep:
         config = self.config
         step = ScheduledStep([], [], [])

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from servematrix.engine.aic_table import select_step_time_model
-from servematrix.engine.architecture import Architecture, load_architecture
+from servematrix.engine.architecture import Architecture, load_architecture, shipped
 from servematrix.engine.hardware import gpu_spec
 from servematrix.engine.instance import EngineInstance, Jitter
 from servematrix.engine.kvcache import BlockPool, KvMemoryPlan, plan_kv_memory
@@ -123,6 +123,9 @@ def step_time_model(
             arch, gpu_spec(gpu_name), tp_, quantization, enforce_eager=enforce_eager, v0_engine=v0
         )
 
+    if not _shipped(arch):
+        # aiconfigurator's tables are built from a shipped architecture's config.json.
+        return roofline(arch, gpu, tp, quantization), f"roofline ({arch.name} is not shipped)"
     model, label = select_step_time_model(arch, gpu, tp, quantization, roofline=roofline)
     if isinstance(model, RooflineStepTime):
         return model, label
@@ -133,3 +136,9 @@ def step_time_model(
         extras += ["V0 TP broadcast"] if any_step else []
         return WithDecodeOverhead(model, decode_extra, any_step), f"{label} + {', '.join(extras)}"
     return model, label
+
+
+def _shipped(arch: Architecture) -> bool:
+    """Whether ``arch`` is the shipped architecture of its name (a user's directory may reuse
+    a name with other dimensions)."""
+    return arch.name in shipped() and load_architecture(arch.name) == arch

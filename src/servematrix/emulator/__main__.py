@@ -1,0 +1,3 @@
+from servematrix.emulator.cli import main
+
+main()

@@ -1,0 +1,336 @@
+"""``servematrix-emulator``: the command line of ``vllm serve`` (and of 0.6's
+``python3 -m vllm.entrypoints.openai.api_server --model M``) in front of a wall-clock engine.
+
+``servematrix-emulator serve MODEL [flags]`` or ``servematrix-emulator --model MODEL [flags]``.
+Unknown flags fail as in vLLM (argparse, exit 2). Emulator-only flags pick the modelled GPU,
+the vLLM generation (``--recipe v0|v1``: API flavour and scheduler), the start-up delay, the
+step-time jitter and injected faults; each has a ``SERVEMATRIX_EMULATOR_*`` environment
+variable so a recipe's unchanged vLLM command line can run under the emulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from servematrix.emulator import wire
+from servematrix.emulator.models import ModelError, ModelInfo, resolve_model
+from servematrix.emulator.pacing import WallClockEngine
+from servematrix.emulator.server import Emulator, Faults, ServerSettings
+from servematrix.engine.kvcache import ModelDoesNotFitError
+from servematrix.engine.setup import (
+    DEFAULT_GPU,
+    DEFAULT_JITTER_CV,
+    DEFAULT_STRAGGLER_PROBABILITY,
+    EngineSetup,
+    build_engine_setup,
+)
+from servematrix.workload import TokenCounter
+
+PROG = "servematrix-emulator"
+NODE_GPUS = 8
+"""GPUs of the modelled node when ``CUDA_VISIBLE_DEVICES`` is unset (the studies' 8-GPU hosts)."""
+
+V1_KV_KEYS = {
+    "kv_connector",
+    "kv_role",
+    "engine_id",
+    "kv_port",
+    "kv_buffer_device",
+    "kv_connector_extra_config",
+    "kv_connector_module_path",
+    "kv_load_failure_policy",
+}
+V0_KV_KEYS = {
+    "kv_connector",
+    "kv_buffer_device",
+    "kv_buffer_size",
+    "kv_role",
+    "kv_rank",
+    "kv_parallel_size",
+    "kv_ip",
+    "kv_port",
+}
+
+
+class StartupError(RuntimeError):
+    """The server cannot start (vLLM exits 1 with its message)."""
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"SERVEMATRIX_EMULATOR_{name}", default)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _optional(kind):
+    return lambda value: None if value is None else kind(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="An OpenAI-compatible stand-in for `vllm serve`, without GPUs."
+    )
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="model to serve")
+    vllm = parser.add_argument_group("vllm serve flags")
+    vllm.add_argument("--model", help="model (the 0.6 api_server form)")
+    vllm.add_argument("--served-model-name", nargs="+")
+    vllm.add_argument("--host", default=None)
+    vllm.add_argument("--port", type=int, default=8000)
+    vllm.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    vllm.add_argument("--max-model-len", type=int)
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    vllm.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    vllm.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    vllm.add_argument("-q", "--quantization")
+    vllm.add_argument("--kv-transfer-config", type=_json_object)
+    vllm.add_argument("--max-num-seqs", type=int)
+    vllm.add_argument("--max-num-batched-tokens", type=int)
+    vllm.add_argument("--enforce-eager", action="store_true")
+    vllm.add_argument("--seed", type=int, default=0)
+    emu = parser.add_argument_group("emulator flags (or SERVEMATRIX_EMULATOR_* variables)")
+    emu.add_argument("--gpu", default=_env("GPU", DEFAULT_GPU), help="modelled GPU")
+    emu.add_argument("--recipe", choices=("v0", "v1"), default=_env("RECIPE", "v1"))
+    emu.add_argument("--startup-delay-s", type=float, default=float(_env("STARTUP_DELAY_S", "0")))
+    emu.add_argument(
+        "--jitter-cv", type=float, default=float(_env("JITTER_CV", str(DEFAULT_JITTER_CV)))
+    )
+    emu.add_argument(
+        "--straggler-probability",
+        type=float,
+        default=float(_env("STRAGGLER_PROBABILITY", str(DEFAULT_STRAGGLER_PROBABILITY))),
+    )
+    emu.add_argument(
+        "--fail-fraction",
+        type=float,
+        default=float(_env("FAIL_FRACTION", "0")),
+        help="answer this share of requests with HTTP 500",
+    )
+    emu.add_argument(
+        "--drop-after-chunks",
+        type=int,
+        default=_optional(int)(_env("DROP_AFTER_CHUNKS")),
+        help="cut the connection after this many chunks",
+    )
+    emu.add_argument(
+        "--drop-fraction",
+        type=float,
+        default=float(_env("DROP_FRACTION", "1")),
+        help="share of streams --drop-after-chunks applies to",
+    )
+    emu.add_argument(
+        "--die-after-requests",
+        type=int,
+        default=_optional(int)(_env("DIE_AFTER_REQUESTS")),
+        help="exit (status 1) when request N+1 arrives",
+    )
+    return parser
+
+
+def _normalize(argv: Sequence[str]) -> list[str]:
+    """``--max_model_len`` is ``--max-model-len``, as vLLM's FlexibleArgumentParser allows."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    argv = list(argv)
+    if argv and argv[0] == "serve":
+        argv = argv[1:]
+    parser = build_parser()
+    args = parser.parse_args(_normalize(argv))
+    if args.model_tag and args.model and args.model_tag != args.model:
+        parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree")
+    args.model = args.model_tag or args.model
+    if not args.model:
+        parser.error("the following arguments are required: MODEL (or --model)")
+    if not 0 <= args.fail_fraction <= 1 or not 0 <= args.drop_fraction <= 1:
+        parser.error("--fail-fraction and --drop-fraction must be in [0, 1]")
+    return args
+
+
+def check_visible_gpus(tensor_parallel: int, environ=os.environ) -> None:
+    """vLLM 0.33 refuses a TP world larger than the visible GPUs (0.6 would wait for Ray
+    placement for 30 minutes instead; the emulator fails at once for both)."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    count = NODE_GPUS if visible is None else len([d for d in visible.split(",") if d.strip()])
+    if tensor_parallel > count:
+        raise StartupError(
+            f"World size ({tensor_parallel}) is larger than the number of available GPUs "
+            f"({count}) in this node. If this is intentional and you are using:\n"
+            "- ray, set '--distributed-executor-backend ray'.\n"
+            "- multiprocessing, set '--nnodes' appropriately."
+        )
+
+
+def check_kv_transfer_config(config: dict | None, recipe: str, environ=os.environ) -> str | None:
+    """Validate ``--kv-transfer-config`` as the recipe's vLLM would; returns the KV role."""
+    if config is None:
+        return None
+    allowed = V1_KV_KEYS if recipe == "v1" else V0_KV_KEYS
+    unknown = sorted(set(config) - allowed)
+    if unknown:
+        lines = "\n".join(f"{key}\n  Unexpected keyword argument" for key in unknown)
+        raise StartupError(f"{len(unknown)} validation error(s) for KVTransferConfig\n{lines}")
+    if (
+        recipe == "v0"
+        and config.get("kv_connector") == "MooncakeConnector"
+        and not environ.get("MOONCAKE_CONFIG_PATH")
+    ):
+        raise StartupError(
+            "To use MooncakeConnector, you need to pass the ENV: "
+            "'MOONCAKE_CONFIG_PATH=/path/to/mooncake_config.json'."
+        )
+    return config.get("kv_role")
+
+
+def engine_setup(args: argparse.Namespace, model: ModelInfo, max_model_len: int) -> EngineSetup:
+    try:
+        return build_engine_setup(
+            model.arch,
+            quantization=model.quantization,
+            tensor_parallel=args.tensor_parallel_size,
+            recipe=args.recipe,
+            chunked_prefill=args.enable_chunked_prefill,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            gpu=args.gpu,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            enforce_eager=args.enforce_eager,
+            jitter_cv=args.jitter_cv,
+            straggler_probability=args.straggler_probability,
+            model_label=args.model,
+        )
+    except (ModelDoesNotFitError, ValueError, KeyError) as error:
+        raise StartupError(str(error).strip('"')) from None
+
+
+def _max_model_len(args: argparse.Namespace, model: ModelInfo) -> int:
+    derived = model.max_position_embeddings
+    if args.max_model_len is None:
+        if derived is None:
+            raise StartupError(f"{args.model}: no max_position_embeddings; pass --max-model-len")
+        return derived
+    if derived is not None and args.max_model_len > derived:
+        raise StartupError(
+            f"User-specified max_model_len ({args.max_model_len}) is greater than the derived "
+            f"max_model_len (max_position_embeddings={derived} in model's config.json)."
+        )
+    return args.max_model_len
+
+
+def _log(recipe: str, message: str) -> None:
+    """A vLLM-formatted log line (0.33 prefixes the process)."""
+    stamp = time.strftime("%m-%d %H:%M:%S")
+    if recipe == "v1":
+        print(f"(APIServer pid={os.getpid()}) INFO {stamp} [api_server.py] {message}", flush=True)
+    else:
+        print(f"INFO {stamp} api_server.py] {message}", flush=True)
+
+
+async def serve(args: argparse.Namespace, setup: EngineSetup, settings: ServerSettings) -> None:
+    engine = WallClockEngine(setup.instance(args.seed, 0))
+    engine_task = asyncio.create_task(engine.run())
+    await asyncio.sleep(args.startup_delay_s)  # "loading the model": the port stays closed
+    runner = web.AppRunner(Emulator(settings, engine).app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    host = args.host or "0.0.0.0"
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as error:
+        raise StartupError(
+            f"[Errno {error.errno}] error while attempting to bind on address "
+            f"('{host}', {args.port}): {error.strerror}"
+        ) from None
+    _log(
+        args.recipe,
+        f"Starting vLLM {'' if args.recipe == 'v1' else 'API '}server on http://{host}:{args.port}",
+    )
+    print(f"INFO:     Started server process [{os.getpid()}]", flush=True)
+    print("INFO:     Waiting for application startup.", flush=True)
+    print("INFO:     Application startup complete.", flush=True)
+    if args.recipe == "v0":
+        print(
+            f"INFO:     Uvicorn running on http://{host}:{args.port} (Press CTRL+C to quit)",
+            flush=True,
+        )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    stopped = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({engine_task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if engine_task in done:
+        engine_task.result()  # the engine died: raise its error
+    print("INFO:     Shutting down", flush=True)
+    engine_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await engine_task
+    await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        check_visible_gpus(args.tensor_parallel_size)
+        kv_role = check_kv_transfer_config(args.kv_transfer_config, args.recipe)
+        model = resolve_model(args.model, args.quantization)
+        max_model_len = _max_model_len(args, model)
+        setup = engine_setup(args, model, max_model_len)
+    except (StartupError, ModelError) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        sys.exit(1)
+    served = args.served_model_name or [args.model]
+    _log(
+        args.recipe,
+        f"servematrix emulator of vLLM {wire.VERSIONS[args.recipe]}: {args.model} as "
+        f"{setup.arch.name} ({model.quantization}) on {setup.gpu} TP {args.tensor_parallel_size}, "
+        f"{setup.kv.num_blocks} KV blocks, step time {setup.step_time_label}",
+    )
+    settings = ServerSettings(
+        recipe=args.recipe,
+        served_names=served,
+        root=args.model,
+        max_model_len=max_model_len,
+        tensor_parallel=args.tensor_parallel_size,
+        fingerprint=wire.system_fingerprint(
+            args.tensor_parallel_size, json.dumps(vars(args), default=str)
+        ),
+        kv_role=kv_role,
+        faults=Faults(
+            fail_fraction=args.fail_fraction,
+            drop_after_chunks=args.drop_after_chunks,
+            drop_fraction=args.drop_fraction,
+            die_after_requests=args.die_after_requests,
+            seed=args.seed,
+        ),
+        text_counter=TokenCounter.for_model(args.model),
+    )
+    try:
+        asyncio.run(serve(args, setup, settings))
+    except StartupError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,147 @@
+"""The wall-clock driver: one :class:`~servematrix.engine.instance.EngineInstance` paced by the
+event loop's monotonic clock.
+
+The simulator advances a virtual clock by each step's duration; this driver waits for it
+instead. Every step starts at an absolute instant (the previous step's end, or the arrival that
+woke an idle engine) and its tokens are released at ``start + duration``, so the engine's
+timeline is the simulator's: lateness of the event loop delays a release but never shifts the
+steps after it. A request joins the first step that starts at or after its arrival, as in the
+simulator's driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from servematrix.engine.instance import EngineInstance
+from servematrix.engine.scheduler import Request
+
+
+@dataclass
+class TokenStream:
+    """One request's output as the engine produces it: ``due_s`` holds the monotonic instant
+    each token was produced (its step's end); ``released`` wakes the HTTP handler."""
+
+    request: Request
+    arrival_s: float
+    due_s: list[float] = field(default_factory=list)
+    finished: bool = False
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait(self, consumed: int) -> None:
+        """Wait until more than ``consumed`` tokens are out, or the request has finished."""
+        while len(self.due_s) <= consumed and not self.finished:
+            self.released.clear()
+            await self.released.wait()
+
+
+@dataclass
+class EngineCounters:
+    """Totals for ``/metrics`` (vLLM counts prompt tokens when a request's prefill completes)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+
+class WallClockEngine:
+    """Runs one instance in real time; ``submit`` from request handlers, ``run`` as a task."""
+
+    def __init__(self, instance: EngineInstance):
+        self.instance = instance
+        self.counters = EngineCounters()
+        self._ids = itertools.count()
+        self._arrivals: deque[TokenStream] = deque()
+        self._streams: dict[int, TokenStream] = {}
+        self._aborted: list[TokenStream] = []
+        self._wake = asyncio.Event()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.instance.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.instance.scheduler.waiting) + len(self._arrivals)
+
+    @property
+    def kv_usage(self) -> float:
+        pool = self.instance.scheduler.pool
+        return pool.used_blocks / pool.num_blocks
+
+    def submit(self, prompt_tokens: int, max_tokens: int) -> TokenStream:
+        """Queue a request; it joins the first step that starts after now."""
+        request = Request(next(self._ids), prompt_tokens, max_tokens)
+        stream = TokenStream(request, time.monotonic())
+        self._arrivals.append(stream)
+        self._wake.set()
+        return stream
+
+    def abort(self, stream: TokenStream) -> None:
+        """The client went away: free the request's blocks before the next step."""
+        if not stream.finished:
+            self._aborted.append(stream)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        instance = self.instance
+        arrivals = self._arrivals
+        start_s: float | None = None  # None: idle
+        while True:
+            if start_s is None:
+                while not arrivals:
+                    self._wake.clear()
+                    await self._wake.wait()
+                start_s = arrivals[0].arrival_s
+            while arrivals and arrivals[0].arrival_s <= start_s:
+                stream = arrivals.popleft()
+                self._streams[stream.request.request_id] = stream
+                instance.add_request(stream.request)
+            self._apply_aborts()
+            if not instance.has_work():
+                start_s = None
+                continue
+            result = instance.step()
+            end_s = start_s + result.duration_s
+            delay = end_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self._release(result.emitted, result.finished, end_s, result.num_preempted)
+            start_s = end_s
+
+    def _release(
+        self, emitted: list[Request], finished: list[Request], end_s: float, preempted: int
+    ) -> None:
+        counters = self.counters
+        counters.steps += 1
+        counters.preemptions += preempted
+        counters.generation_tokens += len(emitted)
+        streams = self._streams
+        for request in emitted:
+            if request.num_generated == 1:
+                counters.prompt_tokens += request.prompt_tokens
+            stream = streams.get(request.request_id)
+            if stream is not None:
+                stream.due_s.append(end_s)
+                stream.released.set()
+        for request in finished:
+            stream = streams.pop(request.request_id, None)
+            if stream is not None:
+                stream.finished = True
+                stream.released.set()
+
+    def _apply_aborts(self) -> None:
+        for stream in self._aborted:
+            if stream.finished:
+                continue
+            if self._streams.pop(stream.request.request_id, None) is not None:
+                self.instance.scheduler.abort(stream.request)
+            else:  # still queued for admission
+                self._arrivals.remove(stream)
+            stream.finished = True
+        self._aborted.clear()

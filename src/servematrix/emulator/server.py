@@ -1,0 +1,425 @@
+"""The HTTP side: vLLM's OpenAI endpoints around a :class:`WallClockEngine`, on aiohttp.
+
+Generated text is one token per step, `` t0``, `` t1``, ...; when the handler falls behind the
+engine, the tokens released meanwhile go out in one chunk (as vLLM merges queued deltas), with
+exact continuous usage. Per ``X-Request-Id`` the server keeps its own ``time.monotonic()``
+timestamps, served at ``GET /servematrix/requests``: arrival, the engine's due time of every
+token (its step's end), when each chunk was written, and the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from servematrix.emulator import wire
+from servematrix.emulator.pacing import TokenStream, WallClockEngine
+from servematrix.workload import TokenCounter
+
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class Faults:
+    """Injected failures, drawn per request from one seeded stream in arrival order."""
+
+    fail_fraction: float = 0.0
+    drop_after_chunks: int | None = None
+    drop_fraction: float = 1.0
+    die_after_requests: int | None = None
+    seed: int = 0
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+
+@dataclass
+class ServerSettings:
+    recipe: str
+    served_names: list[str]
+    root: str
+    max_model_len: int
+    tensor_parallel: int
+    fingerprint: str
+    kv_role: str | None
+    faults: Faults
+    text_counter: TokenCounter  # text prompts: the model's tokenizer, else the approximation
+
+
+@dataclass
+class RequestLog:
+    """One request's server-side timeline (monotonic seconds)."""
+
+    arrival_s: float
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    engine_arrival_s: float | None = None
+    token_due_s: list[float] = field(default_factory=list)
+    chunk_s: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    end_s: float | None = None
+    status: int = 200
+    outcome: str = "running"
+    kv_transfer_params: Any = None
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError", param=None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+class Emulator:
+    def __init__(self, settings: ServerSettings, engine: WallClockEngine):
+        self.settings = settings
+        self.engine = engine
+        self.requests: dict[str, RequestLog] = {}
+        self.num_requests = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_fastapi_errors], client_max_size=1 << 30)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/servematrix/requests", self.request_log)
+        app.router.add_delete("/servematrix/requests", self.clear_request_log)
+        if self.settings.recipe == "v1" and os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
+            app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json(wire.dumps({"version": wire.VERSIONS[self.settings.recipe]}))
+
+    async def models(self, request: web.Request) -> web.Response:
+        s = self.settings
+        return _json(wire.model_list(s.served_names, s.root, s.max_model_len, int(time.time())))
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        engine, counters = self.engine, self.engine.counters
+        text = wire.metrics_text(
+            self.settings.recipe,
+            self.settings.served_names[0],
+            running=engine.num_running,
+            waiting=engine.num_waiting,
+            kv_usage=engine.kv_usage,
+            prompt_tokens=counters.prompt_tokens,
+            generation_tokens=counters.generation_tokens,
+            preemptions=counters.preemptions,
+        )
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        # No prefix cache is modelled: there is never anything to reset.
+        return _json(wire.dumps({"success": True}))
+
+    async def request_log(self, request: web.Request) -> web.Response:
+        return _json(json.dumps({key: vars(log) for key, log in self.requests.items()}))
+
+    async def clear_request_log(self, request: web.Request) -> web.Response:
+        self.requests.clear()
+        return _json("{}")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrival_s = time.monotonic()
+        self.num_requests += 1
+        faults = self.settings.faults
+        if faults.die_after_requests is not None and self.num_requests > faults.die_after_requests:
+            print(
+                f"servematrix-emulator: fault injection: dying at request {self.num_requests} "
+                f"(--die-after-requests {faults.die_after_requests})",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
+        fail = faults.rng.random() < faults.fail_fraction
+        drop = faults.drop_after_chunks is not None and faults.rng.random() < faults.drop_fraction
+        header_id = request.headers.get("X-Request-Id")
+        rid = wire.response_id(self.settings.recipe, header_id)
+        log = RequestLog(arrival_s)
+        self.requests[header_id or rid] = log
+        try:
+            body = await self._parse(request)
+            if fail:
+                raise RequestError(
+                    500, "Internal server error (injected fault)", "InternalServerError"
+                )
+            prompt_tokens, max_tokens = self._lengths(body)
+        except RequestError as error:
+            log.status, log.outcome, log.end_s = error.status, error.message, time.monotonic()
+            return self._error(error)
+        log.prompt_tokens, log.max_tokens = prompt_tokens, max_tokens
+        log.kv_transfer_params = body.get("kv_transfer_params")
+        stream = self.engine.submit(prompt_tokens, max_tokens)
+        log.engine_arrival_s = stream.arrival_s
+        head = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.settings.served_names[0],
+        }
+        try:
+            if body.get("stream"):
+                return await self._stream(request, body, head, stream, log, drop)
+            return await self._complete(head, stream, log)
+        finally:
+            self.engine.abort(stream)  # no-op when it finished
+            if log.end_s is None:
+                log.end_s = time.monotonic()
+                log.outcome = "aborted" if log.outcome == "running" else log.outcome
+
+    async def _parse(self, request: web.Request) -> dict[str, Any]:
+        recipe = self.settings.recipe
+        if recipe == "v1" and request.content_type != "application/json":
+            raise RequestError(
+                400,
+                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                "Bad Request",
+            )
+        try:
+            body = json.loads(await request.read())
+        except ValueError as error:
+            raise RequestError(
+                400, f"1 validation error:\n  JSON decode error: {error}", "Bad Request", "body"
+            ) from None
+        if not isinstance(body, dict):
+            raise RequestError(
+                400,
+                "1 validation error:\n  Input should be a valid dictionary",
+                "Bad Request",
+                "body",
+            )
+        model = body.get("model")
+        names = self.settings.served_names
+        if model is None and recipe == "v0":
+            raise RequestError(
+                400, "1 validation error for CompletionRequest\nmodel\n  Field required"
+            )
+        if (
+            model is not None
+            and model not in names
+            and os.environ.get("VLLM_SKIP_MODEL_NAME_VALIDATION") != "1"
+        ):
+            if recipe == "v1":
+                message = f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}."
+                raise RequestError(404, message, "NotFoundError", "model")
+            raise RequestError(404, f"The model `{model}` does not exist.", "NotFoundError")
+        if body.get("stream_options") is not None and not body.get("stream"):
+            raise RequestError(400, "Stream options can only be defined when `stream=True`.")
+        return body
+
+    def _lengths(self, body: dict[str, Any]) -> tuple[int, int]:
+        """Prompt tokens and the output length, with vLLM's context-length rules (§4)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if prompt is None or prompt == "" or prompt == []:
+            raise RequestError(
+                400, "Either prompt or prompt_embeds must be provided and non-empty."
+            )
+        if isinstance(prompt, str):
+            tokens, is_text = self.settings.text_counter.count(prompt), True
+        elif all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            tokens, is_text = len(prompt), False
+        else:
+            raise RequestError(
+                400, "servematrix-emulator serves one prompt (text or token ids) per request"
+            )
+        limit = self.settings.max_model_len
+        max_tokens = body.get("max_tokens")
+        if max_tokens is not None and (
+            not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+        ):
+            raise RequestError(
+                400,
+                "1 validation error:\n  max_tokens: Input should be a valid integer, "
+                f"got {max_tokens!r}",
+                "Bad Request",
+                "body.max_tokens",
+            )
+        if self.settings.recipe == "v1":
+            return tokens, _v1_max_tokens(tokens, max_tokens, limit, is_text)
+        return tokens, _v0_max_tokens(tokens, max_tokens, limit)
+
+    def _error(self, error: RequestError) -> web.Response:
+        recipe = self.settings.recipe
+        body = wire.error_body(recipe, error.message, error.kind, error.status, error.param)
+        return web.Response(status=error.status, text=body, content_type="application/json")
+
+    async def _complete(self, head: dict, stream: TokenStream, log: RequestLog) -> web.Response:
+        while not stream.finished:
+            await stream.wait(len(stream.due_s))
+        n = len(stream.due_s)
+        log.token_due_s = list(stream.due_s)
+        text = "".join(f" t{i}" for i in range(n))
+        s = self.settings
+        body = wire.completion(
+            s.recipe,
+            head,
+            text,
+            stream.request.prompt_tokens,
+            n,
+            self._kv_params(log),
+            s.fingerprint,
+        )
+        response = _json(body)
+        log.end_s = time.monotonic()
+        log.chunk_s, log.chunk_tokens, log.outcome = [log.end_s], [n], "ok"
+        return response
+
+    async def _stream(
+        self,
+        request: web.Request,
+        body: dict,
+        head: dict,
+        stream: TokenStream,
+        log: RequestLog,
+        drop: bool,
+    ) -> web.StreamResponse:
+        recipe = self.settings.recipe
+        options = body.get("stream_options")
+        if recipe == "v1":
+            include_usage = bool(options and options.get("include_usage", False))
+        else:
+            include_usage = options is not None and options.get("include_usage", True) is not False
+        continuous = include_usage and bool(options and options.get("continuous_usage_stats"))
+        response = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream; charset=utf-8"}
+        )
+        await response.prepare(request)
+        prompt_tokens = stream.request.prompt_tokens
+        total = stream.request.max_tokens
+        fingerprint = self.settings.fingerprint
+        sent = 0
+        drop_after = self.settings.faults.drop_after_chunks if drop else None
+        while sent < total:
+            await stream.wait(sent)
+            due = stream.due_s
+            ready = len(due)
+            if ready == sent:  # finished early: aborted by the engine side
+                break
+            text = "".join(f" t{i}" for i in range(sent, ready))
+            last = ready == total
+            counts = wire.usage(recipe, prompt_tokens, ready, chunk=True) if continuous else None
+            chunk = wire.token_chunk(
+                recipe,
+                head,
+                text,
+                "length" if last else None,
+                counts,
+                self._kv_params(log) if last else None,
+                fingerprint if last and not include_usage and recipe == "v1" else None,
+            )
+            await response.write(chunk)
+            log.chunk_s.append(time.monotonic())
+            log.chunk_tokens.append(ready - sent)
+            log.token_due_s.extend(due[sent:ready])
+            sent = ready
+            if drop_after is not None and len(log.chunk_s) >= drop_after and not last:
+                log.outcome = "dropped (injected fault)"
+                log.end_s = time.monotonic()
+                request.transport.abort()
+                return response
+        if include_usage:
+            final = wire.usage(recipe, prompt_tokens, sent, chunk=False)
+            await response.write(wire.usage_chunk(recipe, head, final, fingerprint))
+        await response.write(wire.SSE_DONE)
+        await response.write_eof()
+        log.end_s = time.monotonic()
+        log.outcome = "ok"
+        return response
+
+    def _kv_params(self, log: RequestLog) -> Any:
+        """The request's ``kv_transfer_params`` back (0.33); a Mooncake producer answers null,
+        as the real connector does (§8). 0.6 has no such field."""
+        if self.settings.recipe != "v1" or self.settings.kv_role == "kv_producer":
+            return None
+        return log.kv_transfer_params
+
+
+def _v1_max_tokens(prompt: int, max_tokens: int | None, limit: int, is_text: bool) -> int:
+    """0.33: errors only when the prompt alone is too long or max_tokens exceeds the limit;
+    otherwise max_tokens is clamped to what the context leaves."""
+    if max_tokens is not None and max_tokens > limit:
+        raise RequestError(
+            400,
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={limit}. Please request "
+            f"fewer output tokens. (parameter=max_tokens, value={max_tokens})",
+            param="max_tokens",
+        )
+    if prompt > limit:
+        if is_text:
+            counted, value = f"at least {limit + 1}", limit + 1
+        else:
+            counted, value = str(prompt), prompt
+        raise RequestError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains {counted} input tokens, which exceeds this limit even without any output "
+            f"tokens. Please reduce the length of the input prompt. "
+            f"(parameter=input_tokens, value={value})",
+            param="input_tokens",
+        )
+    wanted = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    granted = min(wanted, limit - prompt)
+    if granted < 1:
+        raise RequestError(
+            400,
+            f"max_tokens must be at least 1, got {granted}. "
+            f"(parameter=max_tokens, value={granted})",
+            param="max_tokens",
+        )
+    return granted
+
+
+def _v0_max_tokens(prompt: int, max_tokens: int | None, limit: int) -> int:
+    """0.6: any prompt + max_tokens beyond the limit is an error; null means "the rest"."""
+    if max_tokens is None:
+        if prompt >= limit:
+            raise RequestError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt} tokens in the messages, Please reduce the length of the messages.",
+            )
+        return limit - prompt
+    if prompt + max_tokens > limit:
+        raise RequestError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt + max_tokens} tokens ({prompt} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion.",
+        )
+    if max_tokens < 1:
+        raise RequestError(400, f"max_tokens must be at least 1, got {max_tokens}.")
+    return max_tokens
+
+
+def _json(text: str) -> web.Response:
+    return web.Response(text=text, content_type="application/json")
+
+
+@web.middleware
+async def _fastapi_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Unknown routes and methods answer as FastAPI does: ``{"detail":"Not Found"}``."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.Response(
+            status=404, text='{"detail":"Not Found"}', content_type="application/json"
+        )
+    except web.HTTPMethodNotAllowed:
+        return web.Response(
+            status=405, text='{"detail":"Method Not Allowed"}', content_type="application/json"
+        )

@@ -1,0 +1,264 @@
+"""The bytes vLLM's OpenAI server writes, in its two flavours: ``v1`` = vLLM 0.33 (V1 engine,
+``vllm serve``) and ``v0`` = vLLM 0.6.x (V0 engine, the published studies). Every shape follows
+``shared/reference/vllm-openai-server.md`` (section numbers below refer to it)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from typing import Any
+
+VERSIONS = {"v1": "0.33.0", "v0": "0.6.6.post1"}
+
+
+def dumps(document: Any) -> str:
+    """Compact JSON, as pydantic's ``model_dump_json`` writes it."""
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse(document: Any) -> bytes:
+    return f"data: {dumps(document)}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def response_id(recipe: str, header_request_id: str | None) -> str:
+    """``cmpl-`` + the ``X-Request-Id`` header, else random hex (16 chars in 0.33, 32 in 0.6)."""
+    if header_request_id:
+        return f"cmpl-{header_request_id}"
+    return "cmpl-" + secrets.token_hex(8 if recipe == "v1" else 16)
+
+
+def system_fingerprint(tensor_parallel: int, config_text: str) -> str:
+    """``vllm-<version>[-tpN]-<hash8>`` (§2; the hash covers the server's configuration)."""
+    tp = f"-tp{tensor_parallel}" if tensor_parallel > 1 else ""
+    digest = hashlib.sha256(config_text.encode()).hexdigest()[:8]
+    return f"vllm-{VERSIONS['v1']}{tp}-{digest}"
+
+
+def error_body(recipe: str, message: str, kind: str, code: int, param: str | None = None) -> str:
+    """0.33 nests the error object; 0.6 writes it flat (§4, §11.1)."""
+    if recipe == "v1":
+        return dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
+    return dumps(
+        {"object": "error", "message": message, "type": kind, "param": param, "code": code}
+    )
+
+
+def usage(recipe: str, prompt_tokens: int, completion_tokens: int, *, chunk: bool) -> dict:
+    """Key order prompt, total, completion (§2). 0.6's continuous usage has a null
+    ``prompt_tokens_details``; 0.33's chunks do not."""
+    document: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+    if recipe == "v0" and chunk:
+        document["prompt_tokens_details"] = None
+    return document
+
+
+def token_chunk(
+    recipe: str,
+    head: dict[str, Any],
+    text: str,
+    finish_reason: str | None,
+    continuous_usage: dict | None,
+    kv_transfer_params: Any = None,
+    fingerprint: str | None = None,
+) -> bytes:
+    """One streamed delta (§2). ``head`` = id, object, created, model."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+    }
+    document = dict(head)
+    if recipe == "v1":
+        choice.update(prompt_token_ids=None, token_ids=None, weight_versions=None)
+        document["choices"] = [choice]
+        if fingerprint is not None:
+            document["system_fingerprint"] = fingerprint
+        if continuous_usage is not None:
+            document["usage"] = continuous_usage
+        document["kv_transfer_params"] = kv_transfer_params
+    else:
+        document["choices"] = [choice]
+        document["usage"] = continuous_usage
+    return sse(document)
+
+
+def usage_chunk(recipe: str, head: dict[str, Any], final_usage: dict, fingerprint: str) -> bytes:
+    """The usage-only chunk before ``[DONE]`` (serialized without nulls)."""
+    document = {**head, "choices": [], "usage": final_usage}
+    if recipe == "v1":
+        document["system_fingerprint"] = fingerprint
+    return sse(document)
+
+
+def completion(
+    recipe: str,
+    head: dict[str, Any],
+    text: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    kv_transfer_params: Any,
+    fingerprint: str,
+) -> str:
+    """The non-streaming response (§3)."""
+    counts = usage(recipe, prompt_tokens, completion_tokens, chunk=False)
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+    }
+    if recipe == "v1":
+        choice.update(
+            token_ids=None,
+            prompt_logprobs=None,
+            prompt_token_ids=None,
+            routed_experts=None,
+            weight_versions=None,
+        )
+        counts.update(prompt_tokens_details=None, completion_tokens_details=None)
+        return dumps(
+            {
+                **head,
+                "choices": [choice],
+                "service_tier": None,
+                "system_fingerprint": fingerprint,
+                "usage": counts,
+                "kv_transfer_params": kv_transfer_params,
+                "ec_transfer_params": None,
+                "metrics": None,
+            }
+        )
+    choice["prompt_logprobs"] = None
+    counts["prompt_tokens_details"] = None
+    return dumps({**head, "choices": [choice], "usage": counts})
+
+
+def model_list(served_names: list[str], root: str, max_model_len: int, created: int) -> str:
+    """``GET /v1/models``: one card per served name (§5)."""
+    cards = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": root,
+            "parent": None,
+            "max_model_len": max_model_len,
+            "permission": [
+                {
+                    "id": "modelperm-" + secrets.token_hex(8),
+                    "object": "model_permission",
+                    "created": created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
+        for name in served_names
+    ]
+    return dumps({"object": "list", "data": cards})
+
+
+def metrics_text(
+    recipe: str,
+    model_name: str,
+    *,
+    running: int,
+    waiting: int,
+    kv_usage: float,
+    prompt_tokens: int,
+    generation_tokens: int,
+    preemptions: int,
+) -> str:
+    """Prometheus text of the series the harness reads (§6): 0.33 labels every series with
+    ``model_name`` and ``engine="0"``; 0.6 with ``model_name`` only and names KV usage
+    ``gpu_cache_usage_perc``."""
+    labels = f'model_name="{model_name}"' + (',engine="0"' if recipe == "v1" else "")
+    series: list[tuple[str, str, str, float]] = [
+        (
+            "vllm:num_requests_running",
+            "gauge",
+            "Number of requests in model execution batches.",
+            running,
+        ),
+        (
+            "vllm:num_requests_waiting",
+            "gauge",
+            "Number of requests waiting to be processed.",
+            waiting,
+        ),
+    ]
+    if recipe == "v1":
+        series.append(
+            (
+                "vllm:kv_cache_usage_perc",
+                "gauge",
+                "KV-cache usage. 1 means 100 percent usage.",
+                kv_usage,
+            )
+        )
+    else:
+        series += [
+            ("vllm:num_requests_swapped", "gauge", "Number of requests swapped to CPU.", 0),
+            (
+                "vllm:gpu_cache_usage_perc",
+                "gauge",
+                "GPU KV-cache usage. 1 means 100 percent usage.",
+                kv_usage,
+            ),
+            (
+                "vllm:cpu_cache_usage_perc",
+                "gauge",
+                "CPU KV-cache usage. 1 means 100 percent usage.",
+                0,
+            ),
+        ]
+    series += [
+        (
+            "vllm:num_preemptions",
+            "counter",
+            "Cumulative number of preemption from the engine.",
+            preemptions,
+        ),
+        ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", prompt_tokens),
+        (
+            "vllm:generation_tokens",
+            "counter",
+            "Number of generation tokens processed.",
+            generation_tokens,
+        ),
+    ]
+    if recipe == "v0":
+        series.append(
+            (
+                "vllm:tokens",
+                "counter",
+                "Number of prefill plus generation tokens processed.",
+                prompt_tokens + generation_tokens,
+            )
+        )
+    lines = []
+    for name, kind, help_text, value in series:
+        lines.append(f"# HELP {name}{'_total' if kind == 'counter' else ''} {help_text}")
+        lines.append(f"# TYPE {name}{'_total' if kind == 'counter' else ''} {kind}")
+        sample = f"{name}_total" if kind == "counter" else name
+        lines.append(f"{sample}{{{labels}}} {float(value)!r}")
+    return "\n".join(lines) + "\n"
