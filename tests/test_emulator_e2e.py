@@ -1,0 +1,357 @@
+"""``servematrix-emulator`` as a real process on a free port, spoken to over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+
+from servematrix.config import Workload
+from servematrix.engine.scheduler import Request
+from servematrix.engine.setup import build_engine_setup
+
+EMULATOR = str(Path(sys.executable).with_name("servematrix-emulator"))
+MODEL = "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def emulator(*flags: str, env: dict | None = None, ready: bool = True) -> Iterator[tuple]:
+    """Start the emulator; yield (base URL, process); stop it."""
+    port = free_port()
+    process = subprocess.Popen(
+        [EMULATOR, "serve", MODEL, "--host", "127.0.0.1", "--port", str(port), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if ready:
+            wait_ready(url, process)
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+        process.communicate(timeout=30)
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"emulator exited: {process.communicate()[1]}")
+        try:
+            with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), 0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError("emulator never listened")
+
+
+async def _post(session, url, body, request_id=None):
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    async with session.post(f"{url}/v1/completions", json=body, headers=headers) as response:
+        return response.status, await response.read()
+
+
+def post(url: str, body: dict, request_id: str | None = None) -> tuple[int, bytes]:
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            return await _post(session, url, body, request_id)
+
+    return asyncio.run(go())
+
+
+def get(url: str) -> tuple[int, bytes]:
+    async def go():
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            return response.status, await response.read()
+
+    return asyncio.run(go())
+
+
+def events(raw: bytes) -> list[str]:
+    """The ``data:`` payloads of an SSE body, checking the framing on the way."""
+    assert raw.endswith(b"\n\n")
+    parts = raw.decode().split("\n\n")[:-1]
+    assert all(part.startswith("data: ") and "\n" not in part for part in parts)
+    return [part[len("data: ") :] for part in parts]
+
+
+def stream_body(prompt, max_tokens, **extra) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, **extra}
+
+
+USAGE = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+pytestmark = pytest.mark.slow
+
+
+def test_unknown_flag_and_too_few_visible_gpus_fail_at_start():
+    bogus = subprocess.run(
+        [EMULATOR, "serve", MODEL, "--bogus-flag", "1"], capture_output=True, text=True
+    )
+    assert bogus.returncode == 2
+    assert "error: unrecognized arguments: --bogus-flag 1" in bogus.stderr
+    few = subprocess.run(
+        [EMULATOR, "serve", "Qwen/Qwen2.5-72B-Instruct", "-tp", "4", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"},
+    )
+    assert few.returncode == 1
+    assert "World size (4) is larger than the number of available GPUs (2) in this node" in (
+        few.stderr
+    )
+    unknown = subprocess.run([EMULATOR, "serve", "./no-such-dir/"], capture_output=True, text=True)
+    assert unknown.returncode == 1 and "unknown model './no-such-dir/'" in unknown.stderr
+
+
+def test_v1_stream_non_stream_errors_and_metrics():
+    with emulator("--max-model-len", "2048") as (url, _):
+        status, raw = post(url, stream_body(list(range(100)), 4, **USAGE), "req-a")
+        assert status == 200
+        payloads = events(raw)
+        assert payloads[-1] == "[DONE]"
+        chunks = [json.loads(p) for p in payloads[:-1]]
+        tokens, usage_chunk = chunks[:-1], chunks[-1]
+        assert [c["choices"][0]["text"] for c in tokens] == [" t0", " t1", " t2", " t3"]
+        assert [c["usage"]["completion_tokens"] for c in tokens] == [1, 2, 3, 4]
+        assert [c["choices"][0]["finish_reason"] for c in tokens] == [None, None, None, "length"]
+        assert all(c["id"] == "cmpl-req-a" and c["kv_transfer_params"] is None for c in tokens)
+        assert usage_chunk["choices"] == []
+        assert usage_chunk["usage"] == {
+            "prompt_tokens": 100,
+            "total_tokens": 104,
+            "completion_tokens": 4,
+        }
+        assert usage_chunk["system_fingerprint"].startswith("vllm-0.33.0-")
+        # Without stream_options: no usage anywhere, the fingerprint on the last chunk.
+        plain = [json.loads(p) for p in events(post(url, stream_body([1, 2], 2))[1])[:-1]]
+        assert len(plain) == 2 and all("usage" not in c for c in plain)
+        assert "system_fingerprint" in plain[-1] and "system_fingerprint" not in plain[0]
+        # kv_transfer_params come back on the last chunk.
+        params = {"do_remote_decode": True, "transfer_id": "xfer-1"}
+        last = json.loads(
+            events(post(url, stream_body([1, 2], 2, kv_transfer_params=params))[1])[-2]
+        )
+        assert last["kv_transfer_params"] == params
+        # Non-streaming, text prompt.
+        status, raw = post(url, {"model": MODEL, "prompt": "Hello there, world", "max_tokens": 3})
+        body = json.loads(raw)
+        assert status == 200 and body["choices"][0]["text"] == " t0 t1 t2"
+        assert body["usage"]["completion_tokens"] == 3 and body["usage"]["prompt_tokens"] > 0
+        # Errors: a too-long prompt, a clamped max_tokens, an unknown model, an unknown route.
+        status, raw = post(url, stream_body(list(range(2049)), 4))
+        assert status == 400
+        error = json.loads(raw)["error"]
+        assert error["message"].startswith(
+            "This model's maximum context length is 2048 tokens. However, your prompt contains "
+            "2049 input tokens"
+        )
+        assert (error["param"], error["code"]) == ("input_tokens", 400)
+        clamped = events(post(url, stream_body(list(range(2046)), 10))[1])
+        assert len(clamped) == 3  # two tokens (2048 - 2046), then [DONE]
+        status, raw = post(url, {"model": "other", "prompt": [1], "max_tokens": 1})
+        assert status == 404
+        assert json.loads(raw)["error"]["message"] == (
+            f"The model `other` does not exist. Valid aliases: {MODEL}."
+        )
+        assert get(f"{url}/nope") == (404, b'{"detail":"Not Found"}')
+        assert get(f"{url}/health") == (200, b"")
+        assert json.loads(get(f"{url}/version")[1]) == {"version": "0.33.0"}
+        models = json.loads(get(f"{url}/v1/models")[1])["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 2048)]
+        assert get(f"{url}/reset_prefix_cache")[0] == 404  # 0.33 needs VLLM_SERVER_DEV_MODE=1
+        metrics = parse_metrics(get(f"{url}/metrics")[1].decode())
+        label = f'{{model_name="{MODEL}",engine="0"}}'
+        # Served: 100+4, 2+2, 2+2, text+3, 2046+2 (the rejected ones count nothing).
+        assert metrics[f"vllm:generation_tokens_total{label}"] == 4 + 2 + 2 + 3 + 2
+        assert metrics[f"vllm:prompt_tokens_total{label}"] >= 100 + 2 + 2 + 2046
+        assert metrics[f"vllm:num_requests_running{label}"] == 0
+        assert metrics[f"vllm:kv_cache_usage_perc{label}"] == 0
+        assert f"vllm:num_preemptions_total{label}" in metrics
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_v0_flavour_flat_errors_and_usage_null_chunks():
+    with emulator("--recipe", "v0", "--max-model-len", "64") as (url, _):
+        status, raw = post(url, stream_body(list(range(60)), 10))
+        assert status == 400
+        assert json.loads(raw) == {
+            "object": "error",
+            "message": "This model's maximum context length is 64 tokens. However, you requested "
+            "70 tokens (60 in the messages, 10 in the completion). Please reduce the length of "
+            "the messages or completion.",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+        payloads = events(post(url, stream_body([1, 2, 3], 2))[1])
+        chunks = [json.loads(p) for p in payloads[:-1]]
+        assert len(chunks) == 2 and all(c["usage"] is None for c in chunks)  # no usage chunk
+        assert len(chunks[0]["id"]) == len("cmpl-") + 32
+        # stream_options {} means include_usage in 0.6.
+        with_usage = [
+            json.loads(p) for p in events(post(url, stream_body([1], 2, stream_options={}))[1])[:-1]
+        ]
+        assert with_usage[-1]["usage"] == {
+            "prompt_tokens": 1,
+            "total_tokens": 3,
+            "completion_tokens": 2,
+        }
+        metrics = get(f"{url}/metrics")[1].decode()
+        assert f'vllm:gpu_cache_usage_perc{{model_name="{MODEL}"}} 0.0' in metrics
+        assert "kv_cache_usage_perc" not in metrics
+        assert json.loads(get(f"{url}/version")[1]) == {"version": "0.6.6.post1"}
+
+
+def test_startup_delay_keeps_the_port_closed():
+    with emulator("--startup-delay-s", "2", ready=False) as (url, process):
+        port = int(url.rsplit(":", 1)[1])
+        time.sleep(0.5)
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+        wait_ready(url, process)
+        assert get(f"{url}/health")[0] == 200
+
+
+async def _many(url: str, bodies: list[dict], prefix: str) -> list[tuple[int, bytes | str]]:
+    async with aiohttp.ClientSession() as session:
+
+        async def one(k, body):
+            try:
+                return await _post(session, url, body, f"{prefix}-{k}")
+            except aiohttp.ClientError as error:
+                return -1, repr(error)
+
+        return await asyncio.gather(*(one(k, b) for k, b in enumerate(bodies)))
+
+
+def test_fault_injection_fail_fraction_and_dropped_streams():
+    body = stream_body([1] * 16, 5)
+    with emulator("--fail-fraction", "0.5", "--seed", "1") as (url, _):
+        results = asyncio.run(_many(url, [body] * 40, "f"))
+    statuses = [status for status, _ in results]
+    assert 5 < statuses.count(500) < 35 and statuses.count(200) + statuses.count(500) == 40
+    failed = next(raw for status, raw in results if status == 500)
+    assert json.loads(failed)["error"]["code"] == 500
+    with emulator(env={"SERVEMATRIX_EMULATOR_DROP_AFTER_CHUNKS": "2"}) as (url, _):
+        ((status, raw),) = asyncio.run(_many(url, [body], "d"))
+        log = json.loads(get(f"{url}/servematrix/requests")[1])["d-0"]
+    # The connection is cut after two chunks: no [DONE], the client sees an error or a
+    # truncated body.
+    assert status == -1 or (status == 200 and b"[DONE]" not in raw)
+    assert len(log["chunk_s"]) == 2 and log["outcome"].startswith("dropped")
+
+
+def test_die_after_requests_exits_the_process():
+    with emulator("--die-after-requests", "2") as (url, process):
+        for k in range(2):
+            assert post(url, stream_body([1, 2], 2), f"ok-{k}")[0] == 200
+        with pytest.raises(aiohttp.ClientError):
+            post(url, stream_body([1, 2], 2), "dies")
+        assert process.wait(timeout=10) == 1
+        assert "dying at request 3" in process.stderr.read()
+
+
+def engine_steps(input_len: int, output_len: int) -> list[float]:
+    """The engine's own step ends for one request alone (no jitter), from its arrival."""
+    setup = build_engine_setup(
+        "qwen2.5-7b",
+        quantization="gptq-int4",
+        tensor_parallel=1,
+        recipe="v1",
+        chunked_prefill=None,
+        max_model_len=32768,
+        gpu_memory_utilization=0.9,
+        jitter_cv=0.0,
+    )
+    instance = setup.instance(0)
+    instance.add_request(Request(0, input_len, output_len))
+    clock, ends = 0.0, []
+    while instance.has_work():
+        clock += instance.step().duration_s
+        ends.append(clock)
+    return ends
+
+
+def test_server_timestamps_follow_the_engine_step_times():
+    """One request alone: due times are the engine's step ends, and chunks leave within a
+    few milliseconds of them; under load, every chunk still leaves close to its due time."""
+    with emulator("--jitter-cv", "0") as (url, _):
+        post(url, stream_body(list(range(1024)), 20, **USAGE), "solo")
+        solo = json.loads(get(f"{url}/servematrix/requests")[1])["solo"]
+        bodies = [stream_body(list(range(512)), 30, **USAGE) for _ in range(24)]
+        results = asyncio.run(_many(url, bodies, "load"))
+        log = json.loads(get(f"{url}/servematrix/requests")[1])
+    due = np.array(solo["token_due_s"]) - solo["engine_arrival_s"]
+    assert due == pytest.approx(engine_steps(1024, 20), abs=1e-9)
+    lag_ms = (np.array(solo["chunk_s"]) - np.array(solo["token_due_s"])) * 1e3
+    assert lag_ms.min() >= 0 and lag_ms.max() < 50  # generous: the machine is shared
+    assert all(status == 200 for status, _ in results)
+    lags = np.concatenate(
+        [
+            np.array(entry["chunk_s"])
+            - np.array(entry["token_due_s"])[np.cumsum(entry["chunk_tokens"]) - 1]
+            for key, entry in log.items()
+            if key.startswith("load-")
+        ]
+    )
+    assert len(lags) > 0 and np.percentile(lags * 1e3, 50) < 20
+
+
+def test_loadgen_against_the_emulator():
+    from servematrix import loadgen
+    from servematrix.workload import build_requests
+
+    workload = Workload(
+        qps=20.0,
+        input_len=256,
+        output_len=4,
+        num_prompts=12,
+        seed=0,
+        dataset="random",
+        burstiness=1.0,
+        warmup_requests=1,
+        max_concurrency=4,
+    )
+    requests = build_requests(workload, vocab_size=152064)
+    with emulator() as (url, _):
+        result = loadgen.run(
+            loadgen.ClientSettings(base_url=url, model=MODEL, max_concurrency=4), requests
+        )
+        log = json.loads(get(f"{url}/servematrix/requests")[1])
+    records = result.records
+    assert len(records) == 13 and all(r.success for r in records)
+    assert [r.prompt_tokens for r in records] == [256] * 13
+    assert [r.completion_tokens for r in records] == [4] * 13
+    # The server saw every request under its X-Request-Id, with one chunk per token.
+    mine = [v for k, v in log.items() if k.startswith(result.request_id_prefix)]
+    assert len(mine) == 13 and all(sum(v["chunk_tokens"]) == 4 for v in mine)
