@@ -15,9 +15,8 @@ config.update(SB.raw)
 
 STUDIES = SB.studies
 FIGURES = ("ttft", "tpot", "itl", "throughput")
-CELL_PATTERN = (
-    "{recipe}/{model}/{mode}/qps{qps}_in{input_len}_out{output_len}_n{num_prompts}_s{seed}"
-)
+# The workload's file name is spelled by servematrix.config.workload_token alone.
+CELL_PATTERN = "{recipe}/{model}/{mode}/{workload}"
 
 
 wildcard_constraints:
@@ -26,11 +25,7 @@ wildcard_constraints:
     model=sb_config.wildcard_pattern(SB.models),
     mode=sb_config.wildcard_pattern(sb_config.MODES),
     study=sb_config.wildcard_pattern(STUDIES),
-    qps=r"\d+(\.\d+)?",
-    input_len=r"\d+",
-    output_len=r"\d+",
-    num_prompts=r"\d+",
-    seed=r"\d+",
+    workload=sb_config.WORKLOAD_TOKEN_PATTERN,
 
 
 def study_outputs(study):
@@ -51,15 +46,10 @@ def get_final_output():
     return traces + [path for study in STUDIES for path in study_outputs(study)]
 
 
-def get_cell(wildcards):
+def get_cell(wildcards, output):
     """The resolved cell behind a trace path (JSON, so a changed setting reruns the cell)."""
-    path = (
-        f"results/{wildcards.backend}/cells/{wildcards.recipe}/{wildcards.model}/"
-        f"{wildcards.mode}/qps{wildcards.qps}_in{wildcards.input_len}_out{wildcards.output_len}"
-        f"_n{wildcards.num_prompts}_s{wildcards.seed}.parquet"
-    )
     with fail_on_config_error():
-        return json.dumps(SB.cell_at(path).to_dict(), sort_keys=True)
+        return json.dumps(SB.cell_at(output[0]).to_dict(), sort_keys=True)
 
 
 def get_study_traces(wildcards):

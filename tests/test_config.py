@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+import copy
+import json
+import re
+from pathlib import Path
+
 import pytest
 
 from servematrix import config
@@ -110,7 +115,7 @@ def test_two_instance_mode_needs_two_pins(small_config):
 def test_shared_cell_with_conflicting_settings_is_rejected(small_config):
     small_config["studies"]["other"] = {
         **small_config["studies"]["sizes"],
-        "workload": {"burstiness": 2.0},
+        "workload": {"gpu_memory_utilization": 0.7},
     }
     with pytest.raises(ConfigError, match="also in study"):
         config.load(small_config)
@@ -122,3 +127,138 @@ def test_wildcard_pattern_escapes_names():
     pattern = config.wildcard_pattern(["Qwen2.5-7B", "Qwen2.5-7B-GPTQ"])
     assert re.fullmatch(pattern, "Qwen2.5-7B-GPTQ")
     assert not re.fullmatch(pattern, "Qwen2x5-7B")
+
+
+def test_qps_inf_is_a_load_spelled_qpsinf(small_config):
+    small_config["studies"]["disagg"]["qps"] = [2, float("inf")]
+    cells = config.load(small_config).studies["disagg"].cells
+    assert cells[1].workload.qps == float("inf")
+    assert cells[1].path.endswith("/nondisagg/qpsinf_in1024_out6_n20_s0.parquet")
+    assert config.Cell.from_dict(json.loads(json.dumps(cells[1].to_dict()))) == cells[1]
+
+
+WORKLOAD_ERRORS = [
+    (
+        {"studies.disagg.qps": [2, float("nan")]},
+        "config error at studies.disagg.qps[1]: nan is not of type 'number'",
+    ),
+    (
+        {"defaults.max_concurrency": 0},
+        "config error at defaults.max_concurrency: 0 is less than the minimum of 1",
+    ),
+    (
+        {"defaults.max_concurrency": 2.5},
+        "config error at defaults.max_concurrency: 2.5 is not of type 'integer'",
+    ),
+    (
+        {"defaults.range_ratio": 1},
+        "config error at defaults.range_ratio: 1 is greater than or equal to the maximum of 1",
+    ),
+    (
+        {"defaults.range_ratio": -0.1},
+        "config error at defaults.range_ratio: -0.1 is less than the minimum of 0",
+    ),
+    (
+        {"defaults.dataset": "sharegpt"},
+        "config error at defaults.dataset: 'sharegpt' is not one of ['random', 'sonnet', 'jsonl']",
+    ),
+    (
+        {"studies.sizes.workload": {"dataset": "sonnet"}},
+        "config error at studies.sizes.workload.dataset: dataset 'sonnet' needs a dataset_path",
+    ),
+    (
+        {"defaults.dataset": "jsonl", "defaults.dataset_path": "no/such.jsonl"},
+        "config error at defaults.dataset_path: dataset file no/such.jsonl does not exist",
+    ),
+    (
+        {"defaults.dataset_path": "x.txt"},
+        "config error at defaults.dataset_path: the random dataset reads no file",
+    ),
+    (
+        {"defaults.prefix_len": 10},
+        "config error at defaults.prefix_len: applies to the sonnet dataset only",
+    ),
+    (
+        {"studies.sizes.workload": {"range_ratio": 0.9}},
+        "config error at studies.sizes.input_len: input 1946 + output 12 (range_ratio 0.9) "
+        "exceeds max_model_len 1024",
+    ),
+    (
+        {"defaults.burstiness": float("nan")},
+        "config error at defaults.burstiness: nan is not of type 'number'",
+    ),
+]
+
+
+def _set(cfg: dict, changes: dict) -> dict:
+    for dotted, value in changes.items():
+        node = cfg
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return cfg
+
+
+@pytest.mark.parametrize(("changes", "message"), WORKLOAD_ERRORS)
+def test_bad_workload_settings_name_the_key(small_config, changes, message):
+    small_config["defaults"]["max_model_len"] = 1024
+    small_config["studies"]["disagg"]["input_len"] = [512]
+    with pytest.raises(ConfigError) as caught:
+        config.load(_set(small_config, changes))
+    assert str(caught.value) == message
+
+
+def test_text_datasets_need_their_settings_to_apply(small_config, tmp_path):
+    poem = tmp_path / "sonnet_4x.txt"
+    poem.write_text("line\n")
+    _set(small_config, {"defaults.dataset": "sonnet", "defaults.dataset_path": str(poem)})
+    with pytest.raises(ConfigError, match=r"^config error at defaults\.range_ratio: applies to"):
+        config.load(_set(copy.deepcopy(small_config), {"defaults.range_ratio": 0.2}))
+    with pytest.raises(ConfigError, match=r"studies\.sizes\.input_len: input 512 must be longer"):
+        config.load(_set(small_config, {"studies.sizes.workload": {"prefix_len": 512}}))
+
+
+@pytest.mark.parametrize(
+    ("settings", "suffix"),
+    [
+        ({}, ""),
+        ({"max_concurrency": 8}, "_c8"),
+        ({"range_ratio": 0.25}, "_r0.25"),
+        ({"burstiness": 0.5}, "_b0.5"),
+        ({"warmup_requests": 0}, "_w0"),
+        ({"ignore_eos": False}, "_eos"),
+        ({"dataset": "jsonl", "dataset_path": "DATA/share gpt_v3.jsonl"}, "_jsonl-share-gpt-v3"),
+        (
+            {"dataset": "sonnet", "dataset_path": "DATA/sonnet_4x.txt", "prefix_len": 50},
+            "_sonnet-sonnet-4x_p50",
+        ),
+        ({"max_concurrency": 1, "range_ratio": 0.5, "burstiness": 2}, "_r0.5_b2_c1"),
+    ],
+)
+def test_non_default_workloads_get_their_own_path(small_config, tmp_path, settings, suffix):
+    for key in ("dataset_path",):
+        if key in settings:
+            path = tmp_path / settings[key].removeprefix("DATA/")
+            path.write_text("line\n")
+            settings = {**settings, key: str(path)}
+    small_config["studies"]["sizes"]["workload"] = settings
+    cfg = config.load(small_config)
+    path = cfg.studies["sizes"].cells[0].path
+    assert path == (
+        "results/simulator/cells/v0/Qwen2.5-7B-Instruct-GPTQ-Int4/single/"
+        f"qps4_in512_out6_n20_s0{suffix}.parquet"
+    )
+    assert re.fullmatch(config.WORKLOAD_TOKEN_PATTERN, Path(path).stem)
+    assert cfg.cell_at(path) == cfg.studies["sizes"].cells[0]
+
+
+def test_studies_differing_only_in_concurrency_keep_both_cells(small_config):
+    small_config["studies"]["capped"] = {
+        **small_config["studies"]["sizes"],
+        "workload": {"max_concurrency": 4},
+    }
+    cfg = config.load(small_config)
+    assert len(cfg.all_cells()) == 4 + 4 + 4
+    capped = {c.path for c in cfg.studies["capped"].cells}
+    assert not capped & {c.path for c in cfg.studies["sizes"].cells}

@@ -7,6 +7,7 @@ here from one validated config, so a bad config stops the workflow before any jo
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -63,6 +64,17 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Workload:
+    """What the client sends: one definition every backend honours (``servematrix.workload``).
+
+    ``qps`` may be ``math.inf`` (every measured request at t = 0). ``max_concurrency`` None
+    means no cap; otherwise at most that many requests are in flight and a request waits for a
+    free slot after its scheduled time, as ``vllm bench serve --max-concurrency``.
+    ``range_ratio`` spreads the random dataset's lengths uniformly over
+    [len·(1−r), len·(1+r)]; ``dataset_path`` is the sonnet text or jsonl file; ``prefix_len``
+    the sonnet prompts' shared prefix in tokens. ``ignore_eos`` False lets the server stop at
+    EOS (the output length is then the model's, at most the dataset's).
+    """
+
     qps: float
     input_len: int
     output_len: int
@@ -71,6 +83,11 @@ class Workload:
     dataset: str
     burstiness: float
     warmup_requests: int
+    max_concurrency: int | None = None
+    range_ratio: float = 0.0
+    dataset_path: str | None = None
+    prefix_len: int = 0
+    ignore_eos: bool = True
 
 
 @dataclass(frozen=True)
@@ -171,12 +188,44 @@ def format_number(value: float) -> str:
     return f"{value:g}"
 
 
-def cell_path(backend: str, recipe: str, model: str, mode: str, w: Workload) -> str:
-    return (
-        f"results/{backend}/cells/{recipe}/{model}/{mode}/"
-        f"qps{format_number(w.qps)}_in{w.input_len}_out{w.output_len}"
-        f"_n{w.num_prompts}_s{w.seed}.parquet"
+WORKLOAD_TOKEN_PATTERN = r"qps([0-9.e+-]+|inf)_in\d+_out\d+_n\d+_s\d+(_[A-Za-z0-9.+-]+)*"
+"""Every name `workload_token` can spell: the constraint of the cell rule's ``workload``
+wildcard, kept here next to the function it matches."""
+
+
+def workload_token(w: Workload) -> str:
+    """A workload's trace file name without its extension.
+
+    The design's ``qps{qps}_in{input_len}_out{output_len}_n{num_prompts}_s{seed}``, then one
+    suffix per setting that differs from its default, in this order, so that two different
+    workloads never share a path while the default paths stay as they were:
+    ``_{dataset}-{file stem}`` (sonnet, jsonl), ``_p{prefix_len}``, ``_r{range_ratio}``,
+    ``_b{burstiness}``, ``_c{max_concurrency}``, ``_w{warmup_requests}`` (default 1) and
+    ``_eos`` (``ignore_eos`` off). ``qps: .inf`` is spelled ``qpsinf``.
+    """
+    token = (
+        f"qps{format_number(w.qps)}_in{w.input_len}_out{w.output_len}_n{w.num_prompts}_s{w.seed}"
     )
+    if w.dataset != "random":
+        stem = re.sub(r"[^A-Za-z0-9.-]+", "-", Path(w.dataset_path or "").stem) or "file"
+        token += f"_{w.dataset}-{stem}"
+    if w.prefix_len:
+        token += f"_p{w.prefix_len}"
+    if w.range_ratio:
+        token += f"_r{format_number(w.range_ratio)}"
+    if w.burstiness != 1.0:
+        token += f"_b{format_number(w.burstiness)}"
+    if w.max_concurrency is not None:
+        token += f"_c{w.max_concurrency}"
+    if w.warmup_requests != 1:
+        token += f"_w{w.warmup_requests}"
+    if not w.ignore_eos:
+        token += "_eos"
+    return token
+
+
+def cell_path(backend: str, recipe: str, model: str, mode: str, w: Workload) -> str:
+    return f"results/{backend}/cells/{recipe}/{model}/{mode}/{workload_token(w)}.parquet"
 
 
 def _key_path(parts: Iterable[Any]) -> str:
@@ -202,7 +251,19 @@ def _validator(schema: Mapping[str, Any]) -> Any:
                     instance[name] = json.loads(json.dumps(sub["default"]))
         yield from base.VALIDATORS["properties"](validator, properties, instance, schema)
 
-    extended = jsonschema.validators.extend(base, {"properties": set_defaults})
+    # JSON Schema counts 4.0 as an integer and NaN as a number; a config must not (a path
+    # spelled _n200.0_, a QPS of nan), so both are refused with their key path.
+    types = base.TYPE_CHECKER.redefine_many(
+        {
+            "integer": lambda _, value: isinstance(value, int) and not isinstance(value, bool),
+            "number": lambda _, value: (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and not (isinstance(value, float) and math.isnan(value))
+            ),
+        }
+    )
+    extended = jsonschema.validators.extend(base, {"properties": set_defaults}, type_checker=types)
     return extended(schema)
 
 
@@ -273,17 +334,13 @@ def _study(
         settings.get("max_num_batched_tokens"),
         bool(settings.get("enforce_eager", False)),
     )
+    _check_workload_settings(base, data, settings)
     cells = []
     for model in data["models"]:
         spec = models[model]
         for mode in data["modes"]:
             for input_len in data["input_len"]:
-                if input_len + settings["output_len"] > settings["max_model_len"]:
-                    raise ConfigError(
-                        f"{base}.input_len",
-                        f"input {input_len} + output {settings['output_len']} exceeds "
-                        f"max_model_len {settings['max_model_len']}",
-                    )
+                _check_fits(base, settings, input_len)
                 for qps in data["qps"]:
                     workload = Workload(
                         qps=float(qps),
@@ -294,6 +351,11 @@ def _study(
                         dataset=settings["dataset"],
                         burstiness=float(settings["burstiness"]),
                         warmup_requests=settings["warmup_requests"],
+                        max_concurrency=settings.get("max_concurrency"),
+                        range_ratio=float(settings["range_ratio"]),
+                        dataset_path=settings.get("dataset_path"),
+                        prefix_len=settings["prefix_len"],
+                        ignore_eos=bool(settings["ignore_eos"]),
                     )
                     cells.append(
                         Cell(
@@ -320,6 +382,52 @@ def _study(
     )
 
 
+def _check_workload_settings(
+    base: str, data: Mapping[str, Any], settings: Mapping[str, Any]
+) -> None:
+    """Checks across workload keys (the schema checks each key alone); errors name the key
+    where the setting was made, the study's ``workload`` or ``defaults``."""
+
+    def where(key: str) -> str:
+        return f"{base}.workload.{key}" if key in data.get("workload", {}) else f"defaults.{key}"
+
+    dataset = settings["dataset"]
+    if dataset == "random":
+        if settings.get("dataset_path") is not None:
+            raise ConfigError(where("dataset_path"), "the random dataset reads no file")
+    else:
+        path = settings.get("dataset_path")
+        if path is None:
+            raise ConfigError(where("dataset"), f"dataset {dataset!r} needs a dataset_path")
+        if not Path(path).is_file():
+            raise ConfigError(where("dataset_path"), f"dataset file {path} does not exist")
+        if settings["range_ratio"]:
+            raise ConfigError(where("range_ratio"), "applies to the random dataset only")
+    if settings["prefix_len"] and dataset != "sonnet":
+        raise ConfigError(where("prefix_len"), "applies to the sonnet dataset only")
+
+
+def _check_fits(base: str, settings: Mapping[str, Any], input_len: int) -> None:
+    """The longest request the workload can draw must fit in ``max_model_len`` (jsonl
+    lengths are only known when the file is read: vLLM rejects those that do not fit)."""
+    ratio = settings["range_ratio"]
+    longest_in = math.ceil(input_len * (1 + ratio))
+    longest_out = math.ceil(settings["output_len"] * (1 + ratio))
+    if settings["prefix_len"] >= input_len:
+        raise ConfigError(
+            f"{base}.input_len",
+            f"input {input_len} must be longer than the shared prefix "
+            f"(prefix_len {settings['prefix_len']})",
+        )
+    if longest_in + longest_out > settings["max_model_len"]:
+        spread = f" (range_ratio {ratio:g})" if ratio else ""
+        raise ConfigError(
+            f"{base}.input_len",
+            f"input {longest_in} + output {longest_out}{spread} exceeds "
+            f"max_model_len {settings['max_model_len']}",
+        )
+
+
 def deploy_settings(raw: Mapping[str, Any]) -> dict[str, Any]:
     """What a cell needs to reach its server; empty for the simulator, so that editing ports
     or deploy settings never reruns simulated cells."""
@@ -338,7 +446,8 @@ def _check_shared_cells(studies: Mapping[str, Study]) -> None:
                 raise ConfigError(
                     f"studies.{study.name}.workload",
                     f"cell {cell.path} is also in study {seen[0]!r} with different settings "
-                    "(dataset, burstiness, warm-up or serving flags); give it another seed",
+                    "(serving flags, or another dataset file of the same name); "
+                    "give it another seed",
                 )
 
 
