@@ -26,9 +26,39 @@ def records() -> list[trace.RequestRecord]:
     duration 0.0 -> 1.0 (the failed send is the last event) = 1.0 s
     """
     return [
-        trace.RequestRecord(0, False, 0.0, 0.0, 0.1, 0.3, [0.1, 0.3], [1, 2], 10, 3, True),
-        trace.RequestRecord(1, False, 0.5, 0.5, 0.7, 0.7, [0.7], [1], 10, 1, True),
-        trace.RequestRecord(2, False, 1.0, 1.0, error="HTTP 500"),
+        trace.RequestRecord(
+            0,
+            False,
+            0.0,
+            0.0,
+            0.1,
+            0.3,
+            [0.1, 0.3],
+            [1, 2],
+            10,
+            3,
+            True,
+            request_input_len=10,
+            request_output_len=3,
+        ),
+        trace.RequestRecord(
+            1,
+            False,
+            0.5,
+            0.5,
+            0.7,
+            0.7,
+            [0.7],
+            [1],
+            10,
+            1,
+            True,
+            request_input_len=10,
+            request_output_len=3,
+        ),
+        trace.RequestRecord(
+            2, False, 1.0, 1.0, error="HTTP 500", request_input_len=10, request_output_len=3
+        ),
     ]
 
 
@@ -113,7 +143,10 @@ def test_malformed_trace_error_names_the_file(tmp_path: Path) -> None:
 
 def test_all_failed_trace_error_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "failed.parquet"
-    trace.write(path, identity(), [trace.RequestRecord(0, False, 0.0, 0.0, error="refused")], {})
+    failed = trace.RequestRecord(
+        0, False, 0.0, 0.0, error="refused", request_input_len=10, request_output_len=3
+    )
+    trace.write(path, identity(), [failed], {})
 
     with pytest.raises(metrics.MetricsError, match="all 1 measured requests failed") as error:
         aggregate.summarize([path])

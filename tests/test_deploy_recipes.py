@@ -211,7 +211,7 @@ def test_emulator_replaces_only_the_executable(default_config):
             tail = b.argv[2 : 2 + len(a.argv) - skip]
             assert tail == a.argv[skip:]
             extra = b.argv[2 + len(a.argv) - skip :]
-            assert extra[:2] == ("--architecture", "qwen2.5-72b")
+            assert extra == ("--gpu", "A100-SXM4-80GB", "--recipe", recipe, "--seed", "0")
 
 
 def test_fingerprint_follows_the_command_lines(default_config):

@@ -11,7 +11,15 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKFLOW_PARTS = ("Snakefile", "rules", "scripts", "report", "profiles", "config/schema.yaml")
+WORKFLOW_PARTS = (
+    "Snakefile",
+    "rules",
+    "scripts",
+    "report",
+    "profiles",
+    "envs",
+    "config/schema.yaml",
+)
 
 
 def copy_workflow(dest: Path, config: dict[str, Any]) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -23,7 +24,11 @@ from servematrix.trace import CellIdentity, RequestRecord
 
 log = logging.getLogger(__name__)
 
-AVAILABLE_BACKENDS = ("simulator",)
+AVAILABLE_BACKENDS = ("simulator", "emulator", "vllm", "external")
+
+
+class CellError(RuntimeError):
+    """A cell could not be measured (its deployment failed, its server never answered)."""
 
 
 @dataclass
@@ -50,7 +55,117 @@ def _run_simulator(cell: Cell) -> BackendRun:
     return BackendRun(result.records, {"engine": result.engine_parameters})
 
 
-_BACKENDS: dict[str, Callable[[Cell], BackendRun]] = {"simulator": _run_simulator}
+def _requests(cell: Cell) -> list:
+    from servematrix.engine.architecture import load_architecture
+    from servematrix.workload import TokenCounter, build_requests
+
+    w = cell.workload
+    counter = None if w.dataset == "random" else TokenCounter.for_model(cell.model.hf_id)
+    vocab_size = load_architecture(cell.model.architecture).vocab_size
+    return build_requests(w, vocab_size, counter)
+
+
+def _measure(cell: Cell, base_url: str) -> tuple[list[RequestRecord], dict[str, Any]]:
+    """Drive the cell's workload against a server; failed requests are rows, not errors."""
+    from servematrix import loadgen
+
+    w = cell.workload
+    settings = loadgen.ClientSettings(
+        base_url=base_url,
+        model=cell.model.hf_id,
+        max_concurrency=w.max_concurrency,
+        ignore_eos=w.ignore_eos,
+        ready_timeout_s=float(cell.deploy.get("startup_timeout_s", 600.0)),
+    )
+    result = loadgen.run(settings, _requests(cell))
+    clock = {"origin_monotonic_s": result.origin_monotonic_s}
+    return result.records, {"clock": clock, "request_id_prefix": result.request_id_prefix}
+
+
+def _run_external(cell: Cell) -> BackendRun:
+    base_url = cell.deploy["base_url"]
+    records, client = _measure(cell, base_url)
+    return BackendRun(records, {"base_url": base_url, "started": "external", **client})
+
+
+class _Interrupted(KeyboardInterrupt):
+    """SIGTERM (Snakemake stopping a job) handled as Ctrl-C: stop what the cell started."""
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise _Interrupted(f"signal {signal.Signals(signum).name}")
+
+
+def _run_deployed(cell: Cell) -> BackendRun:
+    """Lock the pinned GPUs, reuse or start the deployment, measure, hand it back warm.
+
+    The deployment is stopped instead when the cell is interrupted (Ctrl-C, SIGTERM) or fails
+    in any way other than failed requests, so nothing half-measured keeps running."""
+    from servematrix.deploy import gpulock, recipes, warm
+    from servematrix.deploy.supervise import DeployError
+
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        plan = recipes.plan(cell)
+        settings, state_dir, logs = warm.settings_for(cell)
+        timeout_s = settings.lease_timeout_s
+        with gpulock.GpuLocks(plan.gpus, state_dir / "gpu-locks", timeout_s, cell.path):
+            if cell.backend == "vllm":
+                gpulock.check_gpus_exist(cell.model.name, plan.gpus)
+            lease = warm.acquire(plan, state_dir, warm.log_dir_for(plan, logs), settings)
+            keep = False
+            try:
+                log.info(
+                    "cell %s: deployment %s %s (%.1f s start-up)",
+                    cell.path,
+                    plan.fingerprint,
+                    "fresh" if lease.fresh else "reused",
+                    lease.startup_s,
+                )
+                records, client = _measure(cell, lease.base_url)
+                problem = lease.problem()
+                if problem is not None:
+                    raise DeployError(problem)
+                keep = True
+            finally:
+                lease.release(keep)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    resolved = plan.resolve(str(lease.run_dir))
+    deployment = {
+        "fingerprint": plan.fingerprint,
+        "recipe": plan.recipe,
+        "base_url": plan.base_url,
+        "started": "fresh" if lease.fresh else "reused",
+        "startup_s": lease.startup_s,
+        "processes": [p.to_dict() for p in resolved.processes],
+        "files": dict(resolved.files),
+        **client,
+    }
+    return BackendRun(records, deployment)
+
+
+def _served(run: Callable[[Cell], BackendRun]) -> Callable[[Cell], BackendRun]:
+    """A backend that talks to a server: its known failures become one CellError."""
+
+    def wrapped(cell: Cell) -> BackendRun:
+        from servematrix.deploy.supervise import DeployError
+        from servematrix.loadgen import LoadgenError
+
+        try:
+            return run(cell)
+        except (DeployError, LoadgenError) as error:
+            raise CellError(str(error)) from error
+
+    return wrapped
+
+
+_BACKENDS: dict[str, Callable[[Cell], BackendRun]] = {
+    "simulator": _run_simulator,
+    "emulator": _served(_run_deployed),
+    "vllm": _served(_run_deployed),
+    "external": _served(_run_external),
+}
 
 
 def identity(cell: Cell) -> CellIdentity:
@@ -79,7 +194,8 @@ def _version(package: str) -> str | None:
 def run_metadata(cell: Cell, started: datetime, run: BackendRun) -> dict[str, Any]:
     return {
         "cell": cell.to_dict(),
-        "deployment": run.deployment,
+        "deployment": {k: v for k, v in run.deployment.items() if k != "clock"},
+        **({"clock": run.deployment["clock"]} if "clock" in run.deployment else {}),
         "versions": {
             "servematrix": __version__,
             "python": sys.version.split()[0],

@@ -120,14 +120,9 @@ V1 = Recipe(
 
 RECIPES: dict[str, Recipe] = {"v0": V0, "v1": V1}
 
-EMULATOR_FLAGS = (
-    "--architecture",
-    "--quantization-scheme",
-    "--gpu",
-    "--recipe",
-    "--seed",
-)
-"""Appended for backend ``emulator`` only (see :func:`emulator_flags`)."""
+EMULATOR_FLAGS = ("--gpu", "--recipe", "--seed", "--jitter-cv", "--straggler-probability")
+"""Appended for backend ``emulator`` only (see :func:`emulator_flags`); the emulator finds the
+architecture and quantization from the model id, as vLLM does from the checkpoint."""
 
 DEFAULT_PORTS = {
     "proxy": 8090,
@@ -304,13 +299,9 @@ def _number(value: float) -> str:
 
 
 def emulator_flags(cell: Cell) -> list[str]:
-    """What vLLM learns from the GPU and the checkpoint, told to the emulator explicitly."""
+    """What vLLM learns from the host (the GPU) or its own defaults, told to the emulator."""
     engine = dict(cell.engine)
     flags = [
-        "--architecture",
-        cell.model.architecture,
-        "--quantization-scheme",
-        cell.model.quantization,
         "--gpu",
         str(engine.get("gpu", "A100-SXM4-80GB")),
         "--recipe",

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--max-num-seqs", type=int)
     vllm.add_argument("--max-num-batched-tokens", type=int)
     vllm.add_argument("--enforce-eager", action="store_true")
+    # The published v0 launches pass these (spec §1.1); logging only, nothing to model.
+    vllm.add_argument("--disable-log-stats", action="store_true")
+    vllm.add_argument("--disable-log-requests", action="store_true")
     vllm.add_argument("--seed", type=int, default=0)
     emu = parser.add_argument_group("emulator flags (or SERVEMATRIX_EMULATOR_* variables)")
     emu.add_argument("--gpu", default=_env("GPU", DEFAULT_GPU), help="modelled GPU")
