@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from servematrix import config, metrics, trace
+from servematrix import bench, config, metrics, trace
 from servematrix.deploy import dryrun as deploy_dryrun
 
 LATENCY_ROWS = (
@@ -76,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
     )
     show.set_defaults(run=_metrics)
     deploy_dryrun.add_parser(commands)
+    bench.add_parser(commands)
     return top
 
 

@@ -1,0 +1,214 @@
+"""``servematrix bench``: one workload against any running OpenAI-compatible server, as a trace.
+
+The same workload (``servematrix.workload``) and client (``servematrix.loadgen``) as a cell of
+the workflow, outside it: the trace has backend ``external`` and is read by
+``servematrix metrics``. Everything that can be checked without the server (flags, dataset
+file, URL) is checked before the server is contacted; nothing is written unless the run ends.
+
+Random prompts are token ids below the model's vocabulary size, which comes from
+``--vocab-size``, else from the model when servematrix knows it (a ``config/config.yaml`` model
+by name or ``hf_id``, a shipped architecture, or a local directory with a ``config.json``),
+else ``DEFAULT_VOCAB_SIZE``: every tokenizer of the models studied here has more ids than that,
+so the prompt is valid for them, though ids above it are never drawn. Text prompts (sonnet,
+jsonl) are counted with the model's tokenizer when it is on this machine (``--tokenizer``, else
+the model's directory or Hugging Face cache), else approximated (see
+``workload.TokenCounter``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import platform
+import socket
+import sys
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from servematrix import __version__, trace
+from servematrix.config import Workload
+from servematrix.engine.architecture import architecture_dir, shipped
+from servematrix.trace import CellIdentity
+from servematrix.workload import TokenCounter, WorkloadError, build_requests
+
+CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "config.yaml"
+DEFAULT_VOCAB_SIZE = 32000  # Llama-2's; Qwen2.5 (151k+) and Command R (256k) have more
+DATASETS = ("random", "sonnet", "jsonl")
+
+
+class BenchError(ValueError):
+    """A flag that makes no sense, named."""
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser(
+        "bench",
+        help="measure a running OpenAI-compatible server and write a trace",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (/v1 added)")
+    bench.add_argument("--model", required=True, help="model name as the server serves it")
+    bench.add_argument("-o", "--output", required=True, type=Path, help="trace (.parquet)")
+    bench.add_argument("--qps", type=float, default=math.inf, help="request rate; inf: all at 0")
+    bench.add_argument("--input-len", type=int, default=1024)
+    bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--num-prompts", type=int, default=1000)
+    bench.add_argument("--max-concurrency", type=int, help="at most N requests in flight")
+    bench.add_argument("--dataset", choices=DATASETS, default="random")
+    bench.add_argument("--dataset-path", help="sonnet text file or jsonl file")
+    bench.add_argument("--prefix-len", type=int, default=0, help="sonnet shared prefix (tokens)")
+    bench.add_argument("--range-ratio", type=float, default=0.0, help="random length spread")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; inf: constant")
+    bench.add_argument("--warmup-requests", type=int, default=1)
+    bench.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    bench.add_argument("--request-timeout-s", type=float, default=600.0)
+    bench.add_argument("--ready-timeout-s", type=float, default=600.0)
+    bench.add_argument("--vocab-size", type=int, help="random token ids are below this")
+    bench.add_argument("--tokenizer", help="tokenizer.json or model directory for text prompts")
+    bench.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from servematrix import loadgen  # here: openai and aiohttp take a while to import
+    from servematrix.loadgen import ClientSettings, LoadgenError
+
+    try:
+        workload = _workload(args)
+        settings = ClientSettings(
+            base_url=args.base_url,
+            model=args.model,
+            max_concurrency=args.max_concurrency,
+            request_timeout_s=args.request_timeout_s,
+            ready_timeout_s=args.ready_timeout_s,
+            ignore_eos=args.ignore_eos,
+        )
+        vocab_size, vocab_source = vocab_size_for(args.model, args.vocab_size)
+        counter = None
+        if workload.dataset != "random":
+            counter = TokenCounter.for_model(args.tokenizer or args.model)
+        requests = build_requests(workload, vocab_size, counter)
+        if not logging.getLogger().handlers:  # progress lines when stderr is not a terminal
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+        started = datetime.now(UTC)
+        result = loadgen.run(settings, requests, loadgen.Progress(workload.num_prompts))
+        metadata = {
+            "bench": {"argv": sys.argv, "vocab_size": vocab_size, "vocab_source": vocab_source},
+            "settings": asdict(settings),
+            "workload": asdict(workload),
+            "tokenizer": counter.description if counter else None,
+            "versions": _versions(),
+            "host": {"hostname": socket.gethostname(), "platform": platform.platform()},
+            "started_utc": started.isoformat(timespec="seconds"),
+            **result.metadata(),
+        }
+        trace.write(args.output, _identity(args, workload), result.records, metadata)
+    except (BenchError, LoadgenError, WorkloadError) as error:
+        print(f"servematrix bench: {error}", file=sys.stderr)
+        return 1
+    failed = sum(not r.success for r in result.records if not r.warmup)
+    print(
+        f"{args.output}: {workload.num_prompts} requests, {failed} failed",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    def at_least(flag: str, value: float, minimum: float) -> None:
+        if not value >= minimum:
+            raise BenchError(f"--{flag} must be >= {minimum:g}, got {value:g}")
+
+    at_least("num-prompts", args.num_prompts, 1)
+    at_least("input-len", args.input_len, 1)
+    at_least("output-len", args.output_len, 1)
+    at_least("warmup-requests", args.warmup_requests, 0)
+    at_least("prefix-len", args.prefix_len, 0)
+    if args.max_concurrency is not None:
+        at_least("max-concurrency", args.max_concurrency, 1)
+    if not args.qps > 0:
+        raise BenchError(f"--qps must be > 0 (or inf), got {args.qps:g}")
+    if not args.burstiness > 0:
+        raise BenchError(f"--burstiness must be > 0, got {args.burstiness:g}")
+    if not 0 <= args.range_ratio < 1:
+        raise BenchError(f"--range-ratio must be in [0, 1), got {args.range_ratio:g}")
+    if args.vocab_size is not None:
+        at_least("vocab-size", args.vocab_size, 1)
+    if args.dataset != "random" and not args.dataset_path:
+        raise BenchError(f"--dataset {args.dataset} needs --dataset-path")
+    return Workload(
+        qps=args.qps,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        dataset=args.dataset,
+        burstiness=args.burstiness,
+        warmup_requests=args.warmup_requests,
+        max_concurrency=args.max_concurrency,
+        range_ratio=args.range_ratio,
+        dataset_path=args.dataset_path,
+        prefix_len=args.prefix_len,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def vocab_size_for(model: str, given: int | None) -> tuple[int, str]:
+    """(vocabulary size, where it came from); never downloads anything."""
+    if given is not None:
+        return given, "--vocab-size"
+    architecture = _config_architectures().get(model, model)
+    local = Path(model).expanduser()
+    candidates = [local if local.suffix == ".json" else local / "config.json"]
+    if architecture in shipped():
+        candidates.insert(0, architecture_dir(architecture) / "config.json")
+    for config_json in candidates:
+        if config_json.is_file():
+            try:
+                vocab_size = int(json.loads(config_json.read_text())["vocab_size"])
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise BenchError(f"{config_json}: no readable vocab_size ({error!r})") from None
+            return vocab_size, str(config_json)
+    return DEFAULT_VOCAB_SIZE, "default (model not known to servematrix; see --vocab-size)"
+
+
+def _config_architectures() -> dict[str, str]:
+    """Model name and hf_id -> architecture, from the repository's config (when there is one)."""
+    try:
+        models = yaml.safe_load(CONFIG_PATH.read_text()).get("models", {})
+    except (OSError, yaml.YAMLError, AttributeError):
+        return {}
+    out = {}
+    for name, spec in models.items():
+        if isinstance(spec, dict) and "architecture" in spec:
+            out[name] = spec["architecture"]
+            if "hf_id" in spec:
+                out[spec["hf_id"]] = spec["architecture"]
+    return out
+
+
+def _identity(args: argparse.Namespace, workload: Workload) -> CellIdentity:
+    return CellIdentity(
+        backend="external",
+        recipe="external",
+        model=args.model,
+        mode="external",
+        dataset=workload.dataset,
+        qps=workload.qps,
+        input_len=workload.input_len,
+        output_len=workload.output_len,
+        num_prompts=workload.num_prompts,
+        seed=workload.seed,
+    )
+
+
+def _versions() -> dict[str, Any]:
+    """servematrix and Python; the client's packages are in the ``client`` entry."""
+    return {"servematrix": __version__, "python": sys.version.split()[0]}

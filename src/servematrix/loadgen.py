@@ -1,0 +1,531 @@
+"""The load generator: send a cell's requests to an OpenAI-compatible server, record every chunk.
+
+Semantics follow vLLM's benchmark client (reference/vllm-mooncake-spec.md §3.1) where they are
+defined, and the design's trace schema everywhere:
+
+- One ``openai.AsyncOpenAI`` over one shared HTTP client whose pool holds every request that can
+  be in flight at once; no retries. Streaming ``POST /v1/completions`` with ``max_tokens``,
+  ``temperature 0``, ``ignore_eos`` and ``stream_options`` asking for (continuous) usage, so the
+  server says how many tokens each chunk carries.
+- The JSON bodies are encoded before the clock starts: at send time nothing on the event loop
+  grows with the prompt (a 32k-token prompt is ~200 kB of JSON, milliseconds to encode).
+- t = 0 is one ``time.monotonic()`` reading (kept in the trace metadata, so a server's own
+  monotonic timestamps on the same host line up). Each measured request is sent at
+  ``t0 + scheduled_s``: absolute targets, so a late wake-up never delays later sends. With
+  ``max_concurrency`` a request then waits for a free slot, in schedule order, as
+  ``vllm bench serve --max-concurrency``; ``sent_s`` is when it is actually sent, so the send lag
+  then includes that wait.
+- The response bytes are read as they arrive and timestamped before any parsing (`StreamParser`);
+  openai's own stream would build a pydantic object per chunk first.
+- A chunk counts when its first choice has non-empty text (vLLM 0.6's rule): its arrival time
+  goes into ``chunk_s`` and the growth of ``usage.completion_tokens`` since the previous counted
+  chunk into ``chunk_tokens`` (1 when the server sends no continuous usage). ``end_s`` is the
+  last counted chunk, not ``[DONE]`` (vLLM's current E2EL).
+- ``prompt_tokens``/``completion_tokens`` are the server's last usage; a server that sends none
+  gets the planned input length and the number of counted tokens instead.
+- Warm-up requests go one at a time before t = 0, so their times are negative.
+- Success is HTTP 200, at least one counted chunk and a stream that ends with ``[DONE]``. Any
+  failure (HTTP status, error event in the stream, dropped connection, timeout, a stream
+  without a token or cut before ``[DONE]``) is a row with ``success = False`` and the error
+  text; the chunks that did arrive are kept; the run continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata as importlib_metadata
+from typing import TYPE_CHECKING, Any, TextIO
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx2
+import openai
+from openai import AsyncOpenAI, AsyncStream
+from openai.types import Completion
+
+from servematrix.trace import RequestRecord
+
+if TYPE_CHECKING:
+    from servematrix.workload import RequestSpec
+
+log = logging.getLogger(__name__)
+# httpx2 logs every request at INFO: at 500 requests/s that is measurable work on the loop.
+logging.getLogger("httpx2").setLevel(logging.WARNING)
+
+# Readiness probing: how often, and how long one probe may take (a socket that accepts but
+# never answers must not eat the whole readiness budget in one probe).
+READY_POLL_S = 0.5
+READY_PROBE_TIMEOUT_S = 5.0
+# Sends wake up this early and yield to the loop until their instant (see `_sleep_until`).
+SPIN_S = 0.0011
+
+
+class LoadgenError(RuntimeError):
+    """A run that cannot start: bad settings or a server that never became ready."""
+
+
+def normalize_base_url(url: str) -> str:
+    """``http(s)://host[:port][/prefix]/v1`` without a trailing slash, or LoadgenError.
+
+    A missing ``/v1`` is added, so ``http://host:8000`` works as it does for ``vllm bench``.
+    """
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise LoadgenError(f"base URL {url!r} is not an http:// or https:// URL with a host")
+    try:
+        parts.port  # noqa: B018 (raises ValueError for a port that is not a number in range)
+    except ValueError:
+        raise LoadgenError(f"base URL {url!r} has an invalid port") from None
+    if parts.query or parts.fragment:
+        raise LoadgenError(f"base URL {url!r} must not have a query or fragment")
+    path = parts.path.rstrip("/")
+    if not path.endswith("/v1"):
+        path += "/v1"
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+@dataclass
+class ClientSettings:
+    base_url: str  # e.g. http://127.0.0.1:8000/v1 (a missing /v1 is added)
+    model: str
+    max_concurrency: int | None
+    request_timeout_s: float = 600.0
+    ready_timeout_s: float = 600.0
+    ignore_eos: bool = True
+
+    def __post_init__(self) -> None:
+        self.base_url = normalize_base_url(self.base_url)
+        if not self.model:
+            raise LoadgenError("model name is empty")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise LoadgenError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        for name in ("request_timeout_s", "ready_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise LoadgenError(f"{name} must be > 0, got {value}")
+
+    @property
+    def server_root(self) -> str:
+        """The URL without ``/v1``: where vLLM serves ``/health``."""
+        return self.base_url.removesuffix("/v1")
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]  # warm-ups first, then the measured requests; by request_id
+    origin_monotonic_s: float  # the time.monotonic() value that is t = 0 of the records
+    request_id_prefix: str = ""  # X-Request-Id is f"{request_id_prefix}-{request_id}"
+
+    def metadata(self) -> dict[str, Any]:
+        """The trace metadata entries that belong to the client."""
+        return {
+            "clock": {"origin_monotonic_s": self.origin_monotonic_s},
+            "client": {
+                "request_id_prefix": self.request_id_prefix,
+                "openai": openai.__version__,
+                "httpx2": _version("httpx2"),
+                "aiohttp": _version("aiohttp"),
+            },
+        }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib_metadata.version(package)
+    except importlib_metadata.PackageNotFoundError:
+        return None
+
+
+def encode_body(spec: RequestSpec, settings: ClientSettings) -> bytes:
+    """The JSON body of one streaming completion request, as sent on the wire."""
+    body = {
+        "model": settings.model,
+        "prompt": spec.prompt,
+        "max_tokens": spec.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "ignore_eos": settings.ignore_eos,
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+class Progress:
+    """Done / failed / elapsed / achieved rate of the measured requests.
+
+    On a terminal: one line on stderr, redrawn a few times a second. Otherwise: a log line every
+    ``log_interval_s``. Requests only bump counters; a periodic task does the printing.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        stream: TextIO | None = None,
+        tty: bool | None = None,
+        log_interval_s: float = 5.0,
+    ):
+        self.total = total
+        self.done = 0
+        self.failed = 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.interval_s = 0.2 if self.tty else log_interval_s
+        self._start = time.monotonic()
+
+    def finished(self, success: bool) -> None:
+        self.done += 1
+        self.failed += not success
+
+    def start(self) -> None:
+        self._start = time.monotonic()
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self._start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        return (
+            f"{self.done}/{self.total} done, {self.failed} failed, "
+            f"{elapsed:.1f} s, {rate:.2f} req/s"
+        )
+
+    def report(self) -> None:
+        if self.tty:
+            width = 20
+            filled = width * self.done // max(self.total, 1)
+            bar = "#" * filled + "-" * (width - filled)
+            self.stream.write(f"\r[{bar}] {self.line()}\x1b[K")
+            self.stream.flush()
+        else:
+            log.info("requests: %s", self.line())
+
+    def close(self) -> None:
+        self.report()
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.report()
+
+
+class StreamParser:
+    """One request's stream, parsed incrementally, in monotonic seconds (converted at the end).
+
+    Chunks are timestamped when their bytes arrive, before any parsing: the per-chunk work the
+    client adds to a measured time is one ``time.monotonic()`` call. Lines are SSE ``data:``
+    fields, one JSON event each (vLLM never splits an event over several lines); other lines
+    (comments, keep-alives, blank separators) are skipped.
+    """
+
+    __slots__ = (
+        "_buffer",
+        "_counted",
+        "chunk_s",
+        "chunk_tokens",
+        "completion_tokens",
+        "done",
+        "error",
+        "prompt_tokens",
+        "sent",
+    )
+
+    def __init__(self) -> None:
+        self.sent = 0.0
+        self.chunk_s: list[float] = []
+        self.chunk_tokens: list[int] = []
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.error: str | None = None
+        self.done = False  # [DONE] seen
+        self._buffer = b""
+        self._counted = 0  # completion tokens already attributed to a counted chunk
+
+    def feed(self, data: bytes, arrived: float) -> None:
+        lines = (self._buffer + data).split(b"\n")
+        self._buffer = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                self._event(line[5:].strip(), arrived)
+
+    def _event(self, payload: bytes, arrived: float) -> None:
+        if payload == b"[DONE]":
+            self.done = True
+            return
+        event = json.loads(payload)
+        if "error" in event:  # a failure after the 200 header: one error event, then [DONE]
+            error = event["error"]
+            message = error.get("message", error) if isinstance(error, dict) else error
+            self.error = f"error in stream: {message}"
+            return
+        choices = event.get("choices")
+        usage = event.get("usage")
+        if choices and choices[0].get("text"):
+            self.chunk_s.append(arrived)
+            if usage is None:  # no continuous usage: count the chunk as one token
+                self.chunk_tokens.append(1)
+                self._counted += 1
+            else:
+                self.chunk_tokens.append(usage["completion_tokens"] - self._counted)
+                self._counted = usage["completion_tokens"]
+        if usage is not None:
+            self.prompt_tokens = usage["prompt_tokens"]
+            self.completion_tokens = usage["completion_tokens"]
+
+
+class _Response(AsyncStream[Completion]):
+    """Hands back the raw HTTP response of a streamed request sent through ``AsyncOpenAI``.
+
+    The openai client builds, sends and status-checks the request (a non-200 answer raises
+    ``APIStatusError``), but its own stream turns every chunk into a pydantic object after
+    reading it: ~0.1 ms per chunk, added to every measured token time. We read the bytes.
+    """
+
+    def __init__(self, *, response: httpx2.Response, **_: Any) -> None:
+        self.response = response
+
+
+async def _stream(
+    client: AsyncOpenAI, body: bytes, headers: dict[str, str], timeout_s: float
+) -> StreamParser:
+    """Send one request now and consume its stream; never raises (errors go into the result)."""
+    out = StreamParser()
+    monotonic = time.monotonic
+    feed = out.feed
+    try:
+        async with asyncio.timeout(timeout_s):
+            out.sent = monotonic()
+            stream = await client.post(
+                "/completions",
+                cast_to=Completion,
+                content=body,
+                options={"headers": headers},
+                stream=True,
+                stream_cls=_Response,
+            )
+            response = stream.response
+            try:
+                async for data in response.aiter_raw():
+                    feed(data, monotonic())
+            finally:
+                await response.aclose()
+    except TimeoutError:
+        out.error = f"timed out after {timeout_s:g} s"
+    except openai.APIStatusError as error:
+        out.error = f"HTTP {error.status_code}: {_error_message(error)}"
+    except openai.APIConnectionError as error:
+        cause = error.__cause__
+        out.error = f"connection error: {_describe(cause) if cause else error}"
+    except Exception as error:  # the row records it; one bad request never stops the cell
+        out.error = _describe(error)
+    if out.error is None:
+        if not out.chunk_s:
+            out.error = "stream ended without a token"
+        elif not out.done:
+            out.error = "stream ended before [DONE]"
+    if out.sent == 0.0:
+        out.sent = monotonic()
+    return out
+
+
+def _error_message(error: openai.APIStatusError) -> str:
+    body = error.body
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        return body["message"]
+    return str(error.message)
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _record(
+    spec: RequestSpec, raw: StreamParser, origin: float, scheduled_s: float | None = None
+) -> RequestRecord:
+    chunk_s = [t - origin for t in raw.chunk_s]
+    tokens = sum(raw.chunk_tokens)
+    return RequestRecord(
+        request_id=spec.request_id,
+        warmup=spec.warmup,
+        scheduled_s=spec.scheduled_s if scheduled_s is None else scheduled_s,
+        sent_s=raw.sent - origin,
+        first_token_s=chunk_s[0] if chunk_s else None,
+        end_s=chunk_s[-1] if chunk_s else None,
+        chunk_s=chunk_s,
+        chunk_tokens=raw.chunk_tokens,
+        prompt_tokens=raw.prompt_tokens if raw.prompt_tokens is not None else spec.input_len,
+        completion_tokens=raw.completion_tokens if raw.completion_tokens is not None else tokens,
+        success=raw.error is None,
+        error=raw.error,
+        request_input_len=spec.input_len,
+        request_output_len=spec.output_len,
+    )
+
+
+def _http_client(settings: ClientSettings, max_in_flight: int) -> httpx2.AsyncClient:
+    """One connection pool for the whole run, big enough that no request waits for a socket.
+
+    openai's aiohttp transport: httpx2's own connection pool scans every pooled connection on
+    each request and each release (with a syscall per idle one), which at a few hundred
+    requests in flight costs milliseconds per request (``benchmarks/loadgen_pacing.py``).
+    Timeouts are per request (``asyncio.timeout`` around each one), not per read. The
+    environment's proxy settings are ignored: a benchmark talks to its server directly.
+    """
+    limits = httpx2.Limits(
+        max_connections=max_in_flight + 1,
+        max_keepalive_connections=max_in_flight + 1,
+        keepalive_expiry=30.0,
+    )
+    return openai.DefaultAioHttpClient(
+        limits=limits, timeout=httpx2.Timeout(None), trust_env=False, follow_redirects=False
+    )
+
+
+async def wait_ready(settings: ClientSettings, http: httpx2.AsyncClient | None = None) -> None:
+    """Poll ``GET /health`` (else ``GET /v1/models``) until it answers 200.
+
+    Raises LoadgenError naming the URL when ``ready_timeout_s`` passes first, or when the
+    server lists its models and ours is not among them (every request would fail with 404).
+    """
+    if http is None:
+        async with _http_client(settings, 1) as own:
+            return await wait_ready(settings, own)
+    deadline = time.monotonic() + settings.ready_timeout_s
+    health = f"{settings.server_root}/health"
+    models = f"{settings.base_url}/models"
+    problem = "no answer"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        probe_s = min(READY_PROBE_TIMEOUT_S, remaining)
+        try:
+            response = await http.get(health, timeout=probe_s)
+            if response.status_code == 404:  # an OpenAI-compatible server without /health
+                response = await http.get(models, timeout=probe_s)
+            if response.status_code == 200:
+                _check_model(settings, await http.get(models, timeout=probe_s))
+                return
+            problem = f"HTTP {response.status_code} from {response.request.url}"
+        except httpx2.TimeoutException:
+            problem = f"no answer within {probe_s:g} s"
+        except httpx2.TransportError as error:
+            problem = _describe(error)
+        await asyncio.sleep(min(READY_POLL_S, max(0.0, deadline - time.monotonic())))
+    raise LoadgenError(
+        f"server at {settings.server_root} never became ready within "
+        f"{settings.ready_timeout_s:g} s (last probe: {problem})"
+    )
+
+
+def _check_model(settings: ClientSettings, response: httpx2.Response) -> None:
+    if response.status_code != 200:
+        return  # not every OpenAI-compatible server lists its models; requests will tell
+    try:
+        served = [card["id"] for card in response.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        return
+    if served and settings.model not in served:
+        raise LoadgenError(
+            f"server at {settings.server_root} does not serve model {settings.model!r} "
+            f"(it serves: {', '.join(served)})"
+        )
+
+
+async def run_requests(
+    settings: ClientSettings, requests: Sequence[RequestSpec], progress: Progress | None = None
+) -> RunResult:
+    """Wait for the server, run the warm-ups one by one, then the measured requests on time."""
+    warmups = [r for r in requests if r.warmup]
+    measured = sorted((r for r in requests if not r.warmup), key=lambda r: r.scheduled_s)
+    if not measured:
+        raise LoadgenError("no measured requests to send")
+    prefix = secrets.token_hex(4)
+    # Everything that grows with the prompt happens here, before the clock starts.
+    bodies = {r.request_id: encode_body(r, settings) for r in requests}
+    headers = {r.request_id: {"X-Request-Id": f"{prefix}-{r.request_id}"} for r in requests}
+    max_in_flight = min(settings.max_concurrency or len(measured), len(measured))
+    timeout_s = settings.request_timeout_s
+    async with _http_client(settings, max_in_flight) as http:
+        await wait_ready(settings, http)
+        client = AsyncOpenAI(
+            base_url=settings.base_url,
+            api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+            http_client=http,
+            max_retries=0,
+            timeout=None,
+        )
+        warm = []
+        for spec in warmups:
+            raw = await _stream(
+                client, bodies[spec.request_id], headers[spec.request_id], timeout_s
+            )
+            warm.append((spec, raw))
+            if raw.error:
+                log.warning("warm-up request %d failed: %s", spec.request_id, raw.error)
+        results: dict[int, StreamParser] = {}
+        slots = asyncio.Semaphore(settings.max_concurrency) if settings.max_concurrency else None
+
+        async def one(spec: RequestSpec) -> None:
+            try:
+                raw = await _stream(
+                    client, bodies[spec.request_id], headers[spec.request_id], timeout_s
+                )
+            finally:
+                if slots is not None:
+                    slots.release()
+            results[spec.request_id] = raw
+            if progress is not None:
+                progress.finished(raw.error is None)
+
+        if progress is not None:
+            progress.start()
+            reporter = asyncio.create_task(progress.run())
+        origin = time.monotonic()
+        tasks = []
+        try:
+            for spec in measured:
+                await _sleep_until(origin + spec.scheduled_s)
+                if slots is not None:
+                    await slots.acquire()
+                tasks.append(asyncio.create_task(one(spec)))
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if progress is not None:
+                reporter.cancel()
+                progress.close()
+    records = [_record(spec, raw, origin, scheduled_s=raw.sent - origin) for spec, raw in warm]
+    records += [_record(spec, results[spec.request_id], origin) for spec in measured]
+    records.sort(key=lambda r: r.request_id)
+    return RunResult(records, origin, prefix)
+
+
+async def _sleep_until(target: float) -> None:
+    """Return at the monotonic time ``target`` (at once when it has passed).
+
+    asyncio's timers wake up to a millisecond late (epoll rounds its timeout up to whole ms),
+    so the timer is set ``SPIN_S`` early and the rest is spent yielding to the loop, which
+    keeps serving the streams in flight meanwhile.
+    """
+    monotonic = time.monotonic
+    delay = target - monotonic() - SPIN_S
+    if delay > 0:
+        await asyncio.sleep(delay)
+    while monotonic() < target:
+        await asyncio.sleep(0)
+
+
+def run(
+    settings: ClientSettings, requests: Sequence[RequestSpec], progress: Progress | None = None
+) -> RunResult:
+    return asyncio.run(run_requests(settings, requests, progress))
