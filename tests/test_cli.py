@@ -22,6 +22,8 @@ def _request(rid: int, sent: float, chunks: list[float]) -> RequestRecord:
         prompt_tokens=8,
         completion_tokens=len(chunks),
         success=True,
+        request_input_len=8,
+        request_output_len=len(chunks),
     )
 
 

@@ -38,12 +38,20 @@ def ok(
         prompt_tokens=prompt_tokens,
         completion_tokens=sum(tokens),
         success=True,
+        request_input_len=prompt_tokens,
+        request_output_len=sum(tokens),
     )
 
 
 def failed(request_id: int, sent_s: float, error: str, warmup: bool = False) -> trace.RequestRecord:
     return trace.RequestRecord(
-        request_id=request_id, warmup=warmup, scheduled_s=sent_s, sent_s=sent_s, error=error
+        request_id=request_id,
+        warmup=warmup,
+        scheduled_s=sent_s,
+        sent_s=sent_s,
+        error=error,
+        request_input_len=10,
+        request_output_len=4,
     )
 
 

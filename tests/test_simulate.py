@@ -153,7 +153,7 @@ def test_v0_receive_step_waits_for_the_producer_only_in_its_share():
     from servematrix.engine.instance import StepResult
     from servematrix.simulate import _ReceiveStep
 
-    step = _ReceiveStep(0.0, StepResult(0.065, [], [], 0, 2), receive_s=0.030, producer_s=0.010)
+    step = _ReceiveStep(0.0, StepResult(0.065, [], [], 0, 2), [(0.030, 0.010)] * 2, 0.0)
     assert step.end_s(producer_busy=False) == pytest.approx(0.065)
     step.advance(0.005, producer_busy=False)
     assert step.end_s(producer_busy=True) == float("inf")
@@ -257,3 +257,103 @@ def test_every_kv_link_override_passes_the_schema_and_reaches_the_link():
     result = simulate(load(raw).all_cells()[0])
     link = result.engine_parameters["kv_link"]
     assert {key: link[key] for key in LINK_OVERRIDES} == overrides
+
+
+def with_workload(c: Cell, **changes) -> Cell:
+    return dataclasses.replace(c, workload=dataclasses.replace(c.workload, **changes))
+
+
+def max_in_flight(records) -> int:
+    """Most measured requests between send and last chunk at once, from the trace alone (a
+    request ending at the instant another is sent has freed its slot first)."""
+    events = sorted(
+        [(r.sent_s, 1) for r in records if not r.warmup]
+        + [(r.end_s, -1) for r in records if not r.warmup]
+    )
+    level = peak = 0
+    for _, change in events:
+        level += change
+        peak = max(peak, level)
+    return peak
+
+
+TOPOLOGIES = [
+    ("single", "v0"),
+    ("nondisagg", "v1"),
+    ("mooncake-rdma", "v0"),
+    ("mooncake-tcp", "v1"),
+]
+
+
+@pytest.mark.parametrize(("mode", "recipe"), TOPOLOGIES)
+def test_concurrency_cap_holds_requests_like_vllm_bench_serve(mode, recipe):
+    """qps inf with a cap of 3: never more than 3 in flight, and request k goes out exactly
+    when the (k - 2)-th earliest of the earlier requests has completed (a FIFO semaphore)."""
+    c = with_workload(cell(mode, recipe, n=30, jitter=0.05), qps=float("inf"), max_concurrency=3)
+    records = [r for r in simulate(c).records if not r.warmup]
+    assert max_in_flight(records) == 3
+    assert {r.scheduled_s for r in records} == {0.0}
+    for k, r in enumerate(records):
+        ends = sorted(e.end_s for e in records[:k])
+        expected = 0.0 if k < 3 else ends[k - 3]
+        assert r.sent_s == expected
+        assert r.first_token_s > r.sent_s
+    uncapped = [r for r in simulate(with_workload(c, max_concurrency=None)).records]
+    assert max_in_flight(uncapped) == 30
+
+
+@pytest.mark.parametrize(("mode", "recipe"), TOPOLOGIES)
+def test_a_cap_that_never_binds_changes_nothing(mode, recipe):
+    c = cell(mode, recipe, qps=2, n=30, jitter=0.05)
+    free = simulate(c).records
+    assert simulate(with_workload(c, max_concurrency=30)).records == free
+    # 29 < 30 takes the capped path, whose event loop must agree with the free-running one.
+    loose = simulate(with_workload(c, max_concurrency=29)).records
+    assert [r.sent_s for r in loose] == [r.sent_s for r in free]
+    np.testing.assert_allclose(
+        np.concatenate([r.chunk_s for r in loose]),
+        np.concatenate([r.chunk_s for r in free]),
+        rtol=0,
+        atol=1e-9,
+    )
+
+
+@pytest.mark.parametrize(("mode", "recipe"), TOPOLOGIES)
+def test_variable_lengths_reach_the_engine_and_the_trace(mode, recipe):
+    from servematrix.workload import request_lengths
+
+    c = with_workload(cell(mode, recipe, n=40), range_ratio=0.5, output_len=8, qps=8)
+    records = simulate(c).records
+    lengths = request_lengths(c.workload)
+    assert [r.request_input_len for r in records] == lengths.input_lens
+    assert [r.request_output_len for r in records] == lengths.output_lens
+    assert len(set(lengths.input_lens)) > 10 and len(set(lengths.output_lens)) > 3
+    for r in records:
+        assert r.prompt_tokens == r.request_input_len
+        assert r.completion_tokens == len(r.chunk_s) == r.request_output_len
+
+
+def test_longer_prompts_take_longer_to_prefill():
+    """At a light load, TTFT follows each request's own prompt length."""
+    c = with_workload(cell("single", "v0", qps=0.2, n=30), range_ratio=0.9, input_len=4000)
+    records = [r for r in simulate(c).records if not r.warmup]
+    lengths = [r.request_input_len for r in records]
+    ttfts = [r.first_token_s - r.sent_s for r in records]
+    assert np.corrcoef(lengths, ttfts)[0, 1] > 0.95
+
+
+def test_qps_inf_sends_everything_at_once():
+    records = simulate(with_workload(cell("nondisagg", n=20), qps=float("inf"))).records
+    assert {(r.scheduled_s, r.sent_s) for r in records if not r.warmup} == {(0.0, 0.0)}
+    assert max_in_flight(records) == 20
+
+
+def test_a_jsonl_workload_replays_its_lengths(tmp_path):
+    path = tmp_path / "lengths.jsonl"
+    path.write_text('{"input_len": 300, "output_len": 2}\n{"input_len": 2000, "output_len": 9}\n')
+    c = with_workload(cell("mooncake-rdma", "v1", n=6), dataset="jsonl", dataset_path=str(path))
+    result = simulate(c)
+    measured = [r for r in result.records if not r.warmup]
+    assert [r.request_input_len for r in measured] == [300, 2000] * 3
+    assert [r.completion_tokens for r in measured] == [2, 9] * 3
+    assert result.engine_parameters["token_counter"].startswith("approximation")

@@ -39,6 +39,8 @@ def records() -> list[trace.RequestRecord]:
             prompt_tokens=1024,
             completion_tokens=1,
             success=True,
+            request_input_len=1024,
+            request_output_len=1,
         ),
         trace.RequestRecord(
             request_id=1,
@@ -52,6 +54,8 @@ def records() -> list[trace.RequestRecord]:
             prompt_tokens=1024,
             completion_tokens=3,
             success=True,
+            request_input_len=1024,
+            request_output_len=3,
         ),
         trace.RequestRecord(
             request_id=2,
@@ -59,6 +63,8 @@ def records() -> list[trace.RequestRecord]:
             scheduled_s=0.5,
             sent_s=0.5,
             error="HTTP 503: Service Unavailable",
+            request_input_len=1024,
+            request_output_len=3,
         ),
     ]
 

@@ -14,12 +14,20 @@ token, times in seconds from the benchmark start. Topologies by mode:
   over a shared link and the request joins the decode batch when it has arrived.
 
 Warm-up requests are sent one at a time before the clock starts and so have negative times.
+
+The workload is the one every backend sends (``servematrix.workload``): per-request input and
+output lengths (every request generates its ``max_tokens``, as with ``ignore_eos``), ``qps:
+inf`` (all at t = 0) and ``max_concurrency``: the simulated client holds request k until it is
+scheduled and one of the N slots is free, as ``vllm bench serve --max-concurrency`` does with an
+``asyncio.Semaphore`` acquired in schedule order; a slot frees when a request's last chunk
+reaches the client. Its ``sent_s`` is then later than its ``scheduled_s``.
 """
 
 from __future__ import annotations
 
 import gc
 import heapq
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -50,6 +58,7 @@ from servematrix.engine.transfer import (
 )
 from servematrix.schedule import arrival_times
 from servematrix.trace import RequestRecord
+from servematrix.workload import RequestLengths, TokenCounter, request_lengths
 
 
 @dataclass
@@ -86,14 +95,18 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None) -> SimulationResult:
     setup = _setup(cell, step_time)
     workload = cell.workload
     sends = arrival_times(workload.num_prompts, workload.qps, workload.burstiness, workload.seed)
+    counter = None if workload.dataset == "random" else TokenCounter.for_model(cell.model.hf_id)
+    lengths = request_lengths(workload, counter)
     instances = [setup.instance(workload.seed, index) for index in range(cell.mode.instances)]
     if cell.mode.disaggregated:
-        driver = _Disaggregated(cell, setup, instances[0], instances[1])
+        driver = _Disaggregated(cell, setup, instances[0], instances[1], lengths)
     else:
         hop = NO_PROXY if cell.mode.instances == 1 else ProxyHop()
-        driver = _RoundRobin(cell, instances, hop)
+        driver = _RoundRobin(cell, instances, hop, lengths)
     records = driver.run(sends)
     parameters = _parameters(cell, setup, driver)
+    if counter is not None:
+        parameters["token_counter"] = counter.description
     return SimulationResult(records=records, engine_parameters=parameters)
 
 
@@ -141,17 +154,22 @@ def _records(
     workload_warmups: int,
     warmup_sends: list[float],
     sends: np.ndarray,
+    sent: list[float] | None,
     chunks: list[list[float]],
-    input_len: int,
+    lengths: RequestLengths,
 ) -> list[RequestRecord]:
-    """Client records: warm-ups first (``warmup=True``), then measured requests 0..N-1."""
-    send_times = [*warmup_sends, *sends.tolist()]
+    """Client records: warm-ups first (``warmup=True``), then the measured requests.
+
+    ``sends`` are the scheduled times of the measured requests, ``sent`` their actual send
+    times when a concurrency cap delayed some (None: sent as scheduled)."""
+    scheduled = [*warmup_sends, *sends.tolist()]
+    sent_times = scheduled if sent is None else [*warmup_sends, *sent]
     return [
         RequestRecord(
             request_id=index,
             warmup=index < workload_warmups,
-            scheduled_s=sent,
-            sent_s=sent,
+            scheduled_s=planned,
+            sent_s=actual,
             first_token_s=times[0],
             end_s=times[-1],
             chunk_s=times,
@@ -159,9 +177,25 @@ def _records(
             prompt_tokens=input_len,
             completion_tokens=len(times),
             success=True,
+            request_input_len=input_len,
+            request_output_len=output_len,
         )
-        for index, (sent, times) in enumerate(zip(send_times, chunks, strict=True))
+        for index, (planned, actual, times, input_len, output_len) in enumerate(
+            zip(
+                scheduled,
+                sent_times,
+                chunks,
+                lengths.input_lens,
+                lengths.output_lens,
+                strict=True,
+            )
+        )
     ]
+
+
+def _capped(cap: int | None, num_prompts: int) -> bool:
+    """Whether a concurrency cap can hold a request back (a cap of N or more never does)."""
+    return cap is not None and cap < num_prompts
 
 
 def round_robin_targets(num_requests: int, num_instances: int) -> list[int]:
@@ -173,10 +207,17 @@ def round_robin_targets(num_requests: int, num_instances: int) -> list[int]:
 class _RoundRobin:
     """One or more independent instances; request k goes to instance k mod n."""
 
-    def __init__(self, cell: Cell, instances: list[EngineInstance], hop: ProxyHop):
+    def __init__(
+        self,
+        cell: Cell,
+        instances: list[EngineInstance],
+        hop: ProxyHop,
+        lengths: RequestLengths,
+    ):
         self.cell = cell
         self.instances = instances
         self.hop = hop
+        self.lengths = lengths
 
     def parameters(self) -> dict[str, Any]:
         return {
@@ -193,23 +234,33 @@ class _RoundRobin:
         hop_out = self.hop.chunk_ms * 1e-3
         # Warm-ups: one at a time, each sent when the previous one has completed.
         targets = round_robin_targets(total, n_inst)
+        input_lens, output_lens = self.lengths.input_lens, self.lengths.output_lens
         clock = 0.0
         warm_sends = []
         for k in range(w.warmup_requests):
             warm_sends.append(clock)
-            request = Request(k, w.input_len, w.output_len)
+            request = Request(k, input_lens[k], output_lens[k])
             _run_instance(self.instances[targets[k]], [(clock + hop_in, request)], chunks, hop_out)
             clock = chunks[k][-1]
         warm_sends = [t - clock for t in warm_sends]
         for k in range(w.warmup_requests):
             chunks[k] = [t - clock for t in chunks[k]]
+        if _capped(w.max_concurrency, w.num_prompts):
+            requests = [
+                (targets[k], Request(k, input_lens[k], output_lens[k]))
+                for k in range(w.warmup_requests, total)
+            ]
+            sent = _run_capped(
+                self.instances, requests, sends.tolist(), w.max_concurrency, chunks, hop_in, hop_out
+            )
+            return _records(w.warmup_requests, warm_sends, sends, sent, chunks, self.lengths)
         per_instance: list[list[tuple[float, Request]]] = [[] for _ in range(n_inst)]
-        input_len, output_len = w.input_len, w.output_len
-        for k, sent in enumerate(sends.tolist(), start=w.warmup_requests):
-            per_instance[targets[k]].append((sent + hop_in, Request(k, input_len, output_len)))
+        for k, sent_s in enumerate(sends.tolist(), start=w.warmup_requests):
+            request = Request(k, input_lens[k], output_lens[k])
+            per_instance[targets[k]].append((sent_s + hop_in, request))
         for instance, arrivals in zip(self.instances, per_instance, strict=True):
             _run_instance(instance, arrivals, chunks, hop_out)
-        return _records(w.warmup_requests, warm_sends, sends, chunks, w.input_len)
+        return _records(w.warmup_requests, warm_sends, sends, None, chunks, self.lengths)
 
 
 def _run_instance(
@@ -247,6 +298,82 @@ def _run_instance(
             chunks[request.request_id].append(seen)
 
 
+_ARRIVE, _STEP_DONE, _SLOT_FREE = range(3)  # events of `_run_capped`
+
+
+def _run_capped(
+    instances: list[EngineInstance],
+    requests: list[tuple[int, Request]],
+    scheduled: list[float],
+    cap: int,
+    chunks: list[list[float]],
+    hop_in_s: float,
+    hop_out_s: float,
+) -> list[float]:
+    """Independent instances behind a client that keeps at most ``cap`` requests in flight.
+
+    ``requests`` are (instance, request) in schedule order. Request k is sent at
+    max(``scheduled[k]``, the moment a slot frees), in order, so it can be queued as soon as
+    its slot is known. Returns the send times. Events at one time are all applied before any
+    idle instance starts a step, as `_run_instance` adds every arrival up to its clock."""
+    n = len(requests)
+    sent = [0.0] * n
+    events: list[tuple[float, int, int, Any]] = []
+    seq = 0
+    busy = [False] * len(instances)
+    free, k, now = cap, 0, 0.0
+    # Least time from an event of each kind to an arrival at some instance: a decode run may
+    # go on until the earliest of them.
+    leads = {_ARRIVE: 0.0, _SLOT_FREE: hop_in_s, _STEP_DONE: hop_out_s + hop_in_s}
+    while True:
+        while free and k < n:  # the client sends while it holds a free slot
+            sent[k] = max(scheduled[k], now)
+            heapq.heappush(events, (sent[k] + hop_in_s, seq, _ARRIVE, requests[k]))
+            seq += 1
+            free -= 1
+            k += 1
+        if not events or events[0][0] > now:
+            # Everything due by now is applied: idle instances with work start.
+            for index, instance in enumerate(instances):
+                if busy[index] or not instance.has_work():
+                    continue
+                horizon = min((t + leads[kind] for t, _, kind, _ in events), default=inf)
+                run = instance.decode_run(horizon - now)
+                if run is not None:
+                    done_at, payload = now + run.step_ends_s[-1], (now, run)
+                else:
+                    result = instance.step()
+                    done_at, payload = now + result.duration_s, (now, result)
+                heapq.heappush(events, (done_at, seq, _STEP_DONE, (index, payload)))
+                seq += 1
+                busy[index] = True
+            if not events:
+                return sent
+            now = events[0][0]
+        while events and events[0][0] <= now:
+            _, _, kind, payload = heapq.heappop(events)
+            if kind == _ARRIVE:
+                index, request = payload
+                instances[index].add_request(request)
+            elif kind == _SLOT_FREE:
+                free += 1
+            else:
+                index, (started, result) = payload
+                busy[index] = False
+                if isinstance(result, DecodeRun):
+                    ends = [started + hop_out_s + end for end in result.step_ends_s]
+                    for request in result.requests:
+                        chunks[request.request_id].extend(ends)
+                else:
+                    seen = now + hop_out_s
+                    for request in result.emitted:
+                        chunks[request.request_id].append(seen)
+                for request in result.finished:
+                    done = chunks[request.request_id][-1]
+                    heapq.heappush(events, (done, seq, _SLOT_FREE, None))
+                    seq += 1
+
+
 (
     _ARRIVE_PREFILL,
     _PREFILL_DONE,
@@ -255,7 +382,8 @@ def _run_instance(
     _LINK,
     _DECODE_DONE,
     _RECEIVE_DONE,
-) = range(7)
+    _SLOT_FREED,
+) = range(8)
 
 
 class _ReceiveStep:
@@ -265,14 +393,24 @@ class _ReceiveStep:
     the step's compute. Its end moves when the producer starts or ends a step; ``version``
     tells the live completion event from superseded ones."""
 
-    def __init__(self, started: float, result: StepResult, receive_s: float, producer_s: float):
+    def __init__(
+        self,
+        started: float,
+        result: StepResult,
+        receives: list[tuple[float, float]],
+        released_bytes: float,
+    ):
+        """``receives``: (receive seconds, producer's share) of each received request;
+        ``released_bytes``: what their entries held in the producer's buffer."""
         self.started = started
         self.result = result
-        received = result.num_received
+        self.released_bytes = released_bytes
         self.segments: list[list[Any]] = []  # [gated, seconds left], in order
-        for _ in range(received):
+        for receive_s, producer_s in receives:
             self.segments += [[True, producer_s], [False, receive_s - producer_s]]
-        self.segments.append([False, result.duration_s - received * receive_s])
+        # fsum: exactly n * receive_s when the receives are equal (a fixed-length workload).
+        receiving_s = math.fsum(receive_s for receive_s, _ in receives)
+        self.segments.append([False, result.duration_s - receiving_s])
         self.clock = started
         self.version = 0
 
@@ -303,9 +441,15 @@ class _Disaggregated:
     """Prefill instance → proxy → (KV transfer) → decode instance, on one event queue."""
 
     def __init__(
-        self, cell: Cell, setup: EngineSetup, prefill: EngineInstance, decode: EngineInstance
+        self,
+        cell: Cell,
+        setup: EngineSetup,
+        prefill: EngineInstance,
+        decode: EngineInstance,
+        lengths: RequestLengths,
     ):
         self.cell = cell
+        self.lengths = lengths
         self.prefill = prefill
         self.decode = decode
         self.hop = ProxyHop()
@@ -334,22 +478,36 @@ class _Disaggregated:
         self._prefill_busy = False
         self._decode_busy = False
         self._link_event_at = inf
-        # Per-request constants (every request of a cell has the same shape).
-        w = cell.workload
-        self._input_len, self._output_len = w.input_len, w.output_len
         self._decode_hop_s = 2 * self.hop.request_ms * 1e-3  # 1-token response + new request
         self._chunk_hop_s = self.hop.chunk_ms * 1e-3
-        self._transfer_bytes = self.bytes_per_prompt_token * w.input_len
-        self._buffer_entry_bytes = self.bytes_per_token_per_rank * w.input_len
-        self._v0_receive_s = self.link_config.v0_receive_s(self._buffer_entry_bytes)
-        self._v0_producer_s = self.link_config.v0_producer_s(self._buffer_entry_bytes)
+        self._hop_in_s = self.hop.request_ms * 1e-3
+        # Per-request sizes and V0 receive times, indexed by request id (computed once per
+        # distinct prompt length).
+        self._input_lens, self._output_lens = lengths.input_lens, lengths.output_lens
+        per_length = {
+            length: self._kv_of(length) for length in {cell.workload.input_len, *self._input_lens}
+        }
+        kv = [per_length[length] for length in self._input_lens]
+        self._transfer_bytes, self._buffer_entry_bytes, self._v0_receive_s, self._v0_producer_s = (
+            [row[i] for row in kv] for i in range(4)
+        )
+        self._nominal_kv = per_length[cell.workload.input_len]
+        self._awaiting_receive: set[int] = set()  # V0: at the decoder, KV not yet received
         self._receive: _ReceiveStep | None = None  # the decoder's V0 receive step in flight
         # V0 receives inside the decoder's step; V1 adds a transfer at least this long.
+        shortest = min(self._input_lens)
         self._link_min_s = (
-            0.0 if cell.recipe == "v0" else self.link.duration_alone_s(self._transfer_bytes)
+            0.0 if cell.recipe == "v0" else self.link.duration_alone_s(per_length[shortest][0])
         )
+        # The simulated client's concurrency cap (`_run_capped` explains the semantics).
+        self._free_slots = 0
+        self._next_send = 0
+        self._scheduled: list[float] = []
+        self._sent: list[float] = []
         # Least time from an event of each kind to a request joining the decoder.
         self._event_leads = {
+            _ARRIVE_PREFILL: self._decode_hop_s + self._link_min_s,
+            _SLOT_FREED: self._hop_in_s + self._decode_hop_s + self._link_min_s,
             _PREFILL_DONE: self._decode_hop_s + self._link_min_s,
             _ARRIVE_DECODE: self._link_min_s,
             _ARRIVE_TRANSFER: self._link_min_s,
@@ -365,7 +523,19 @@ class _Disaggregated:
             _LINK: self._on_link,
             _DECODE_DONE: self._on_decode_done,
             _RECEIVE_DONE: self._on_receive_done,
+            _SLOT_FREED: self._on_slot_freed,
         }
+
+    def _kv_of(self, input_len: int) -> tuple[float, float, float, float]:
+        """A prompt's KV: bytes moved in all, bytes per rank (a V0 buffer entry), and the V0
+        receive time with the producer's share of it."""
+        entry = self.bytes_per_token_per_rank * input_len
+        return (
+            self.bytes_per_prompt_token * input_len,
+            entry,
+            self.link_config.v0_receive_s(entry),
+            self.link_config.v0_producer_s(entry),
+        )
 
     def parameters(self) -> dict[str, Any]:
         params = {
@@ -377,8 +547,9 @@ class _Disaggregated:
         }
         if self.generation == "v0":
             params["kv_buffer_size"] = self.buffer.capacity_bytes
-            params["v0_receive_ms"] = self._v0_receive_s * 1e3
-            params["v0_producer_share_ms"] = self._v0_producer_s * 1e3
+            # For a prompt of the workload's input_len.
+            params["v0_receive_ms"] = self._nominal_kv[2] * 1e3
+            params["v0_producer_share_ms"] = self._nominal_kv[3] * 1e3
             params["prefill_buffer_stall_s"] = self.prefill_stall_s
         return params
 
@@ -395,8 +566,16 @@ class _Disaggregated:
         warm_sends = [t - clock for t in warm_sends]
         for k in range(w.warmup_requests):
             self.chunks[k] = [t - clock for t in self.chunks[k]]
-        self._run([(sent, w.warmup_requests + i) for i, sent in enumerate(sends.tolist())])
-        return _records(w.warmup_requests, warm_sends, sends, self.chunks, w.input_len)
+        scheduled = sends.tolist()
+        if not _capped(w.max_concurrency, w.num_prompts):
+            self._run([(sent, w.warmup_requests + i) for i, sent in enumerate(scheduled)])
+            return _records(w.warmup_requests, warm_sends, sends, None, self.chunks, self.lengths)
+        self._scheduled, self._sent = scheduled, [0.0] * w.num_prompts
+        self._free_slots, self._next_send = 0, w.max_concurrency
+        self._sent[: w.max_concurrency] = scheduled[: w.max_concurrency]
+        first = scheduled[: w.max_concurrency]
+        self._run([(sent, w.warmup_requests + i) for i, sent in enumerate(first)])
+        return _records(w.warmup_requests, warm_sends, sends, self._sent, self.chunks, self.lengths)
 
     def _push(self, time: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._events, (time, self._seq, kind, payload))
@@ -408,7 +587,7 @@ class _Disaggregated:
         Arrivals are not queued: they are sorted up front and merged with the event queue. They
         win ties, as they would on one queue where they had been pushed before every other
         event (the queue is empty when a run starts)."""
-        hop_in = self.hop.request_ms * 1e-3
+        hop_in = self._hop_in_s
         arrivals = sorted((sent + hop_in, k) for sent, k in sends)
         last = len(arrivals)
         arrivals.append((inf, -1))  # sentinel: no more arrivals
@@ -462,7 +641,19 @@ class _Disaggregated:
             return
         result = instance.step()
         if result.num_received:
-            self._receive = _ReceiveStep(now, result, self._v0_receive_s, self._v0_producer_s)
+            awaiting = self._awaiting_receive
+            received = [r.request_id for r in result.emitted if r.request_id in awaiting]
+            if len(received) != result.num_received:
+                raise RuntimeError(
+                    f"the decoder received {result.num_received} prompts' KV in one step "
+                    f"but {len(received)} of them emitted a token"
+                )
+            awaiting.difference_update(received)
+            receive_s, producer_s = self._v0_receive_s, self._v0_producer_s
+            receives = [(receive_s[k], producer_s[k]) for k in received]
+            entry = self._buffer_entry_bytes
+            released = math.fsum(entry[k] for k in received)
+            self._receive = _ReceiveStep(now, result, receives, released)
             self._schedule_receive()
         else:
             self._push(now + result.duration_s, done_kind, (now, result))
@@ -491,6 +682,10 @@ class _Disaggregated:
             return  # superseded: the producer started or ended a step since it was queued
         self._receive = None
         self._on_decode_done(now, (receive.started, receive.result))
+        # drop_select removed the entries from the producer's buffer.
+        self.buffer.release(receive.released_bytes)
+        if self._prefill_blocked:
+            self._insert(now)
 
     def _decode_horizon(self, next_arrival: float) -> float:
         """Earliest time an event could change the decode batch: a decode run may go on until
@@ -510,9 +705,9 @@ class _Disaggregated:
     def _insert(self, now: float) -> None:
         """V0 producer: put the finished prefill batch's KV into the lookup buffer; the batch's
         responses leave (and the instance may step again) only when every insert succeeded."""
-        entry = self._buffer_entry_bytes
+        entries = self._buffer_entry_bytes
         while self._inserted < len(self._inserting):
-            if not self.buffer.try_insert(entry):
+            if not self.buffer.try_insert(entries[self._inserting[self._inserted]]):
                 if not self._prefill_blocked:
                     self._prefill_blocked = True
                     self._blocked_since = now
@@ -527,7 +722,7 @@ class _Disaggregated:
         self._inserting, self._inserted = [], 0
 
     def _on_arrive_prefill(self, now: float, request_id: int) -> None:
-        self.prefill.add_request(Request(request_id, self._input_len, 1))
+        self.prefill.add_request(Request(request_id, self._input_lens[request_id], 1))
 
     def _on_prefill_done(self, now: float, payload: tuple[float, StepResult]) -> None:
         self._set_prefill_busy(now, False)
@@ -541,12 +736,13 @@ class _Disaggregated:
 
     def _on_arrive_decode(self, now: float, request_id: int) -> None:
         """V0: the request reaches the decoder, which receives its KV in its next step."""
+        self._awaiting_receive.add(request_id)
         self.decode.add_request(
             Request(
                 request_id,
-                self._input_len,
-                self._output_len,
-                receive_ms=self._v0_receive_s * 1e3,
+                self._input_lens[request_id],
+                self._output_lens[request_id],
+                receive_ms=self._v0_receive_s[request_id] * 1e3,
             )
         )
 
@@ -555,18 +751,20 @@ class _Disaggregated:
 
         One event for the batch: events at one time run back to back, and starting a
         transfer changes neither instance, so nothing could happen between them."""
+        transfer_bytes = self._transfer_bytes
         for request_id in request_ids:
-            self.link.start(now, request_id, self._transfer_bytes)
+            self.link.start(now, request_id, transfer_bytes[request_id])
         self._schedule_link()
 
     def _on_link(self, now: float, payload: None) -> None:
         self._link_event_at = inf
-        input_len, output_len = self._input_len, self._output_len
+        input_lens, output_lens = self._input_lens, self._output_lens
         for _, request_id in self.link.advance(now):
             # All prompt KV is present; the decoder recomputes the last prompt token to
             # sample the first output token.
+            input_len = input_lens[request_id]
             self.decode.add_request(
-                Request(request_id, input_len, output_len, num_computed=input_len - 1)
+                Request(request_id, input_len, output_lens[request_id], num_computed=input_len - 1)
             )
         self._schedule_link()
 
@@ -579,14 +777,24 @@ class _Disaggregated:
             ends = [started + hop + end for end in result.step_ends_s]
             for request in result.requests:
                 chunks[request.request_id].extend(ends)
-            return
-        for request in result.emitted:
-            chunks[request.request_id].append(now + hop)
-        if result.num_received:
-            # drop_select removed the entries from the producer's buffer.
-            self.buffer.release(self._buffer_entry_bytes * result.num_received)
-            if self._prefill_blocked:
-                self._insert(now)
+        else:
+            for request in result.emitted:
+                chunks[request.request_id].append(now + hop)
+        if self._sent:  # a concurrency cap: a slot frees when the last chunk reaches the client
+            for request in result.finished:
+                self._push(chunks[request.request_id][-1], _SLOT_FREED, None)
+
+    def _on_slot_freed(self, now: float, payload: None) -> None:
+        """The simulated client sends the next requests its free slots allow, in order, each
+        at max(its scheduled time, now)."""
+        self._free_slots += 1
+        first = self.cell.workload.warmup_requests
+        while self._free_slots and self._next_send < len(self._scheduled):
+            k = self._next_send
+            self._sent[k] = sent = max(self._scheduled[k], now)
+            self._push(sent + self._hop_in_s, _ARRIVE_PREFILL, first + k)
+            self._free_slots -= 1
+            self._next_send += 1
 
     def _schedule_link(self) -> None:
         nxt = self.link.next_event_s()

@@ -1,8 +1,11 @@
 """The per-request trace: one Parquet file per cell, one row per request.
 
 The column contract is the design's trace schema; every backend writes it and everything
-downstream reads only it. The file's key-value metadata holds one JSON document describing the
-cell (config, command lines, versions, host, engine parameters).
+downstream reads only it. ``request_input_len`` and ``request_output_len`` (the workload's
+planned lengths per request) joined the contract with variable-length workloads: a trace
+written before them fails `check` with "column is missing"; rebuild it (the workflow does, as
+the cell's parameters changed too). The file's key-value metadata holds one JSON document
+describing the cell (config, command lines, versions, host, engine parameters).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ REQUEST_COLUMNS: dict[str, pa.DataType] = {
     "completion_tokens": pa.int32(),
     "success": pa.bool_(),
     "error": pa.string(),
+    "request_input_len": pa.int32(),
+    "request_output_len": pa.int32(),
 }
 
 SCHEMA = pa.schema(
@@ -94,7 +99,10 @@ class RequestRecord:
     """One request as the client (or the simulator standing in for it) saw it.
 
     Times are seconds on one clock whose zero is the start of the benchmark; warm-up requests
-    run before it and so have negative times.
+    run before it and so have negative times. ``request_input_len`` and
+    ``request_output_len`` are the dataset's planned lengths (``servematrix.workload``: the
+    prompt's tokens and the ``max_tokens`` sent); ``prompt_tokens`` and ``completion_tokens``
+    are what the server reported.
     """
 
     request_id: int
@@ -109,6 +117,8 @@ class RequestRecord:
     completion_tokens: int = 0
     success: bool = False
     error: str | None = None
+    request_input_len: int = field(kw_only=True)
+    request_output_len: int = field(kw_only=True)
 
 
 def to_table(

@@ -1,0 +1,388 @@
+"""The cell's requests: one list, built before the clock starts, that every backend sends.
+
+`build_requests` turns a `config.Workload` into the warm-up requests (request ids 0..W-1,
+``scheduled_s`` 0.0: they are sent one at a time before the benchmark clock starts) followed
+by the measured ones (ids W..W+N-1, sent at the seeded ``schedule.arrival_times``; ``qps: inf``
+puts them all at t = 0). The load generator sends these prompts, the emulator serves them and
+the simulator replays their lengths (`request_lengths`, which skips building prompts).
+``max_concurrency`` is not applied here: the client (and the simulator standing in for it)
+holds a request until a slot is free.
+
+Datasets (reference/vllm-mooncake-spec.md §3.5):
+
+* ``random``: exact token ids, so the server counts exactly ``input_len`` prompt tokens. With
+  ``range_ratio`` r the input and output lengths are drawn uniformly from the integers in
+  [floor(len·(1−r)), ceil(len·(1+r))] (at least 1), as ``vllm bench serve
+  --random-range-ratio``. Ids are uniform in [0, vocab_size): pass the tokenizer's regular
+  vocabulary size so no special token is drawn.
+* ``sonnet``: vLLM's sonnet dataset as of the published study (``sample_sonnet_requests`` after
+  #9235): the lines of a text file; ``avg`` tokens per line; per request the base prompt, the
+  first ``round((prefix_len − base)/avg)`` lines (the shared prefix, at least none) and
+  ``random.choices`` of the rest, up to ``round((input_len − base)/avg)`` lines, where
+  ``base`` is the token count of the base prompt in the chat template. The prompt is sent in
+  the model's chat template when its ``tokenizer_config.json`` has one, as vLLM's client sent
+  ``prompt_formatted``; its input length is counted, so it is close to, not exactly,
+  ``input_len``.
+* ``jsonl``: a user's file, one request per line: ``{"prompt": "...", "output_len": M}``
+  (``output_len`` optional, default the workload's) or ``{"input_len": N, "output_len": M}``
+  (sent as N random token ids, as the random dataset). Blank lines are skipped; the file's
+  requests are used in order and repeated from the top when the cell needs more.
+
+Every draw is seeded by the workload's seed, and the measured requests come first in each
+stream, so they do not change with ``warmup_requests``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from servematrix.config import Workload
+from servematrix.schedule import arrival_times
+
+SONNET_BASE_PROMPT = "Pick as many lines as you can from these poem lines:\n"
+"""vLLM's ``sample_sonnet_requests`` base prompt, verbatim."""
+
+_APPROXIMATE_TOKEN = re.compile(r"[^\W\d_]+|\d|[^\w\s]|_|\n")
+
+# Independent streams of one seed: lengths, output lengths and token ids never share draws.
+_INPUT_STREAM, _OUTPUT_STREAM, _IDS_STREAM = 0, 1, 2
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be built, naming the file and line or the setting at fault."""
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request as the client sends it.
+
+    ``prompt`` is token ids (random dataset, jsonl length lines) or text; ``input_len`` is its
+    length in tokens (exact for ids, counted with the `TokenCounter` for text);
+    ``output_len`` is the ``max_tokens`` sent.
+    """
+
+    request_id: int
+    warmup: bool
+    scheduled_s: float
+    prompt: list[int] | str
+    input_len: int
+    output_len: int
+
+
+@dataclass(frozen=True)
+class RequestLengths:
+    """Input and output lengths of every request, indexed by request id (warm-ups first)."""
+
+    input_lens: list[int]
+    output_lens: list[int]
+
+
+class TokenCounter:
+    """Counts the tokens of text prompts as the server will, or approximates them.
+
+    With a Hugging Face ``tokenizer.json`` (read by the ``tokenizers`` package) a count is
+    ``len(encode(text, add_special_tokens=True))``, what vLLM's server reports as
+    ``prompt_tokens`` for a text prompt. Without one, the **approximation** counts one token
+    per run of letters, per digit, per other non-space character and per line break: close
+    to a BPE tokenizer on plain English words, short of it on rare or long words that BPE
+    splits. It has not been calibrated against a real tokenizer; give the model's tokenizer
+    for lengths that matter.
+    """
+
+    def __init__(self, description: str, tokenizer: Any = None, chat_template: Any = None):
+        self.description = description
+        self._tokenizer = tokenizer
+        self._chat_template = chat_template
+
+    @classmethod
+    def approximate(cls) -> TokenCounter:
+        return cls(
+            "approximation (one token per word, digit, symbol and line break; no chat template)"
+        )
+
+    @classmethod
+    def from_file(cls, tokenizer_json: str | os.PathLike[str]) -> TokenCounter:
+        """A tokenizer file; a ``tokenizer_config.json`` next to it may bring a chat template."""
+        from tokenizers import Tokenizer  # here: only text datasets need it
+
+        path = Path(tokenizer_json)
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as error:  # the tokenizers package raises plain Exception
+            raise WorkloadError(f"tokenizer file {path}: cannot be read ({error})") from error
+        template = _chat_template(path.parent / "tokenizer_config.json")
+        suffix = " with its chat template" if template else ""
+        return cls(f"tokenizer {path}{suffix}", tokenizer, template)
+
+    @classmethod
+    def for_model(cls, model_dir_or_name: str | None) -> TokenCounter:
+        """The model's tokenizer if one is on this machine, else the approximation.
+
+        Looks in a local model directory (``<dir>/tokenizer.json``) or, for a Hugging Face id,
+        in the local hub cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub`` or
+        ``~/.cache/huggingface/hub``); it never downloads.
+        """
+        found = _local_tokenizer(model_dir_or_name) if model_dir_or_name else None
+        return cls.from_file(found) if found else cls.approximate()
+
+    def count(self, text: str) -> int:
+        if self._tokenizer is None:
+            return len(_APPROXIMATE_TOKEN.findall(text))
+        return len(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def format(self, prompt: str) -> str:
+        """``prompt`` as one user message in the chat template (unchanged without one)."""
+        if self._chat_template is None:
+            return prompt
+        return self._chat_template.render(
+            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
+
+
+def _chat_template(config_path: Path) -> Any:
+    """The Jinja chat template of a ``tokenizer_config.json``, rendered as transformers does
+    (sandboxed, trimmed blocks); None when there is none."""
+    if not config_path.is_file():
+        return None
+    try:
+        data = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise WorkloadError(f"tokenizer config {config_path}: not valid JSON ({error})") from error
+    template = data.get("chat_template") if isinstance(data, dict) else None
+    if not isinstance(template, str):
+        return None
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise WorkloadError(f"chat template of {config_path}: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    specials = {
+        key: value
+        for key, value in data.items()
+        if key in ("bos_token", "eos_token") and isinstance(value, str)
+    }
+    return env.from_string(template, globals=specials)
+
+
+def _local_tokenizer(model: str) -> Path | None:
+    local = Path(model) / "tokenizer.json"
+    if local.is_file():
+        return local
+    if "/" not in model or model.startswith((".", "/")):
+        return None
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
+    )
+    snapshots = Path(hub) / f"models--{model.replace('/', '--')}" / "snapshots"
+    found = sorted(snapshots.glob("*/tokenizer.json")) if snapshots.is_dir() else []
+    return found[-1] if found else None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One dataset draw; ``prompt`` None when only the lengths were asked for."""
+
+    prompt: list[int] | str | None
+    input_len: int
+    output_len: int
+
+
+def build_requests(
+    workload: Workload, vocab_size: int, tokenizer: TokenCounter | None = None
+) -> list[RequestSpec]:
+    """Every request of the cell, warm-ups first, deterministic for the workload's seed.
+
+    ``vocab_size`` bounds the random token ids; ``tokenizer`` counts text prompts (None: the
+    approximation of `TokenCounter`).
+    """
+    if vocab_size < 1:
+        raise WorkloadError(f"vocab_size must be >= 1, got {vocab_size}")
+    entries = _entries(workload, tokenizer, vocab_size)
+    return _specs(workload, entries)
+
+
+def request_lengths(workload: Workload, tokenizer: TokenCounter | None = None) -> RequestLengths:
+    """The lengths `build_requests` would give each request, without building random prompts
+    (what the simulator needs, at a fraction of the cost)."""
+    entries = _entries(workload, tokenizer, None)
+    ordered = _warmups_first(workload, entries)
+    return RequestLengths(
+        [entry.input_len for entry in ordered], [entry.output_len for entry in ordered]
+    )
+
+
+def _specs(workload: Workload, entries: list[_Entry]) -> list[RequestSpec]:
+    w = workload
+    sends = arrival_times(w.num_prompts, w.qps, w.burstiness, w.seed).tolist()
+    scheduled = [0.0] * w.warmup_requests + sends
+    return [
+        RequestSpec(
+            request_id=k,
+            warmup=k < w.warmup_requests,
+            scheduled_s=scheduled[k],
+            prompt=entry.prompt if entry.prompt is not None else [],
+            input_len=entry.input_len,
+            output_len=entry.output_len,
+        )
+        for k, entry in enumerate(_warmups_first(workload, entries))
+    ]
+
+
+def _warmups_first(workload: Workload, entries: list[_Entry]) -> list[_Entry]:
+    """Datasets draw the measured requests first (so they do not depend on the number of
+    warm-ups), then the warm-ups; requests are numbered warm-ups first."""
+    n = workload.num_prompts
+    return entries[n:] + entries[:n]
+
+
+def _entries(
+    workload: Workload, tokenizer: TokenCounter | None, vocab_size: int | None
+) -> list[_Entry]:
+    count = workload.num_prompts + workload.warmup_requests
+    if workload.dataset == "random":
+        return _random(workload, count, vocab_size)
+    counter = tokenizer or TokenCounter.approximate()
+    if workload.dataset == "sonnet":
+        return _sonnet(workload, count, counter)
+    if workload.dataset == "jsonl":
+        return _jsonl(workload, count, counter, vocab_size)
+    raise WorkloadError(f"unknown dataset {workload.dataset!r} (known: random, sonnet, jsonl)")
+
+
+def _rng(seed: int, stream: int) -> np.random.Generator:
+    return np.random.default_rng([seed, stream])
+
+
+def _spread(rng: np.random.Generator, length: int, ratio: float, count: int) -> list[int]:
+    if not ratio:
+        return [length] * count
+    low = max(1, math.floor(length * (1 - ratio)))
+    high = max(low, math.ceil(length * (1 + ratio)))
+    return rng.integers(low, high + 1, count).tolist()
+
+
+def _token_ids(rng: np.random.Generator, vocab_size: int, lengths: Sequence[int]) -> list:
+    ids = rng.integers(0, vocab_size, sum(lengths))
+    return [part.tolist() for part in np.split(ids, np.cumsum(lengths)[:-1])]
+
+
+def _random(w: Workload, count: int, vocab_size: int | None) -> list[_Entry]:
+    inputs = _spread(_rng(w.seed, _INPUT_STREAM), w.input_len, w.range_ratio, count)
+    outputs = _spread(_rng(w.seed, _OUTPUT_STREAM), w.output_len, w.range_ratio, count)
+    if vocab_size is None:
+        return [_Entry(None, i, o) for i, o in zip(inputs, outputs, strict=True)]
+    prompts = _token_ids(_rng(w.seed, _IDS_STREAM), vocab_size, inputs)
+    return [_Entry(p, i, o) for p, i, o in zip(prompts, inputs, outputs, strict=True)]
+
+
+def _dataset_file(w: Workload) -> Path:
+    if not w.dataset_path:
+        raise WorkloadError(f"dataset {w.dataset!r} needs a dataset_path")
+    path = Path(w.dataset_path)
+    if not path.is_file():
+        raise WorkloadError(f"dataset file {path} does not exist")
+    return path
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise WorkloadError(f"dataset file {path}: not UTF-8 text ({error})") from error
+
+
+def _sonnet(w: Workload, count: int, counter: TokenCounter) -> list[_Entry]:
+    path = _dataset_file(w)
+    lines = _read_text(path).splitlines(keepends=True)
+    if not any(line.strip() for line in lines):
+        raise WorkloadError(f"dataset file {path}: no text lines")
+    avg = sum(counter.count(line) for line in lines) / len(lines)
+    base = counter.count(counter.format(SONNET_BASE_PROMPT))
+    if w.input_len <= base:
+        raise WorkloadError(
+            f"dataset file {path}: input_len {w.input_len} must exceed the {base} tokens of "
+            "the base prompt"
+        )
+    num_input_lines = round((w.input_len - base) / avg)
+    num_prefix_lines = max(round((w.prefix_len - base) / avg), 0)
+    prefix = lines[:num_prefix_lines]
+    extra = max(num_input_lines - num_prefix_lines, 0)
+    rng = random.Random(w.seed)  # Python's generator, as vLLM's client seeds random.seed(seed)
+    entries = []
+    for _ in range(count):
+        prompt = counter.format(SONNET_BASE_PROMPT + "".join(prefix + rng.choices(lines, k=extra)))
+        entries.append(_Entry(prompt, counter.count(prompt), w.output_len))
+    return entries
+
+
+def _jsonl(w: Workload, count: int, counter: TokenCounter, vocab_size: int | None) -> list[_Entry]:
+    path = _dataset_file(w)
+    rows = [
+        _jsonl_row(path, number, line, w.output_len)
+        for number, line in enumerate(_read_text(path).splitlines(), start=1)
+        if line.strip()
+    ]
+    if not rows:
+        raise WorkloadError(f"dataset file {path}: no requests")
+    chosen = [rows[k % len(rows)] for k in range(count)]
+    ids = iter([])
+    if vocab_size is not None:
+        lengths = [length for prompt, length, _ in chosen if prompt is None]
+        ids = iter(_token_ids(_rng(w.seed, _IDS_STREAM), vocab_size, lengths))
+    counted: dict[str, int] = {}
+    entries = []
+    for prompt, input_len, output_len in chosen:
+        if prompt is None:
+            entries.append(_Entry(next(ids, None), input_len, output_len))
+            continue
+        if prompt not in counted:
+            counted[prompt] = counter.count(prompt)
+        entries.append(_Entry(prompt, counted[prompt], output_len))
+    return entries
+
+
+def _jsonl_row(
+    path: Path, number: int, line: str, default_output_len: int
+) -> tuple[str | None, int, int]:
+    """(prompt or None, input_len (0 for a prompt: counted later), output_len) of one line."""
+    where = f"dataset file {path} line {number}"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise WorkloadError(f"{where}: not valid JSON ({error.msg})") from error
+    if not isinstance(row, dict):
+        raise WorkloadError(f"{where}: expected an object, got {type(row).__name__}")
+    unknown = sorted(set(row) - {"prompt", "input_len", "output_len"})
+    if unknown:
+        raise WorkloadError(
+            f"{where}: unknown key(s) {', '.join(unknown)} (known: prompt, input_len, output_len)"
+        )
+    if ("prompt" in row) == ("input_len" in row):
+        raise WorkloadError(f"{where}: give either a prompt or an input_len")
+    if "prompt" in row:
+        prompt = row["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise WorkloadError(f"{where}: prompt must be a non-empty string")
+        return prompt, 0, _positive(where, row, "output_len", default_output_len)
+    if "output_len" not in row:
+        raise WorkloadError(f"{where}: a line with input_len needs an output_len")
+    return None, _positive(where, row, "input_len", None), _positive(where, row, "output_len", None)
+
+
+def _positive(where: str, row: dict, key: str, default: int | None) -> int:
+    value = row.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise WorkloadError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+    return value
