@@ -135,3 +135,45 @@ def test_default_config_plans_every_study(tmp_path, default_config):
         "findings": 6,
         "all": 1,
     }
+
+
+def test_a_capped_study_at_qps_inf_runs_end_to_end(tmp_path, small_config):
+    """A study with max_concurrency and qps .inf: its cells get their own paths and traces
+    that honour the cap; summary, figures and findings are built from them."""
+    small_config["studies"] = {
+        "capped": {
+            "recipe": "v0",
+            "models": ["Qwen2.5-7B-Instruct-GPTQ-Int4"],
+            "modes": ["single"],
+            "qps": [4, float("inf")],
+            "input_len": [512],
+            "workload": {"max_concurrency": 4},
+        }
+    }
+    workdir = copy_workflow(tmp_path, small_config)
+    assert "- .inf" in (workdir / "config" / "config.yaml").read_text()
+    run = snakemake(workdir, "--cores", "1", "all")
+    assert run.returncode == 0, run.stderr[-3000:]
+    base = workdir / "results" / "simulator"
+    cells = sorted(p.relative_to(base).as_posix() for p in base.glob("cells/**/*.parquet"))
+    folder = "cells/v0/Qwen2.5-7B-Instruct-GPTQ-Int4/single"
+    assert cells == [
+        f"{folder}/qps4_in512_out6_n20_s0_c4.parquet",
+        f"{folder}/qpsinf_in512_out6_n20_s0_c4.parquet",
+    ]
+    for cell in cells:
+        table = pl.from_arrow(trace.read(base / cell)).filter(~pl.col("warmup"))
+        assert table.height == 20 and (table["request_input_len"] == 512).all()
+        events = sorted(
+            [(t, 1) for t in table["sent_s"].to_list()]
+            + [(t, -1) for t in table["end_s"].to_list()]
+        )
+        in_flight = [sum(change for _, change in events[: i + 1]) for i in range(len(events))]
+        assert max(in_flight) == 4
+    at_once = pl.from_arrow(trace.read(base / cells[1])).filter(~pl.col("warmup"))
+    assert (at_once["scheduled_s"] == 0).all() and (at_once["sent_s"] > 0).sum() == 16
+    summary = pl.read_parquet(base / "summary" / "capped.parquet")
+    assert sorted(summary["qps"].to_list()) == [4.0, float("inf")]
+    assert (summary["completed"] == 20).all()
+    assert (base / "figures" / "capped" / "ttft.svg").is_file()
+    assert "QPS inf" in (base / "findings" / "capped.md").read_text()

@@ -405,9 +405,11 @@ def _check(summary: pl.DataFrame, x: str) -> None:
 def _clean(summary: pl.DataFrame) -> pl.DataFrame:
     """NaN or infinite metrics (no successful request) are treated as missing values.
 
-    ``achieved_qps`` keeps its infinity: it means every request went out at one instant.
+    ``achieved_qps`` keeps its infinity: it means every request went out at one instant; so
+    do ``qps`` and ``scheduled_qps`` (``qps: inf``, every request scheduled at t = 0).
     """
-    floats = [c for c, t in summary.schema.items() if t.is_float() and c != "achieved_qps"]
+    keep = ("qps", "scheduled_qps", "achieved_qps")
+    floats = [c for c, t in summary.schema.items() if t.is_float() and c not in keep]
     return summary.with_columns(
         pl.when(pl.col(c).is_finite()).then(pl.col(c)).alias(c) for c in floats
     )
