@@ -220,7 +220,9 @@ def setup_for(row: PublishedRow) -> Setup:
         output_len=OUTPUT_LEN,
         num_prompts=row.completed,
         seed=SEED,
-        dataset="sonnet",
+        # Sonnet prompts of the published mean length: fixed-length token prompts are the same
+        # load for a V0 engine without prefix caching (no sonnet text is needed).
+        dataset="random",
         burstiness=1.0,
         warmup_requests=1,
     )
@@ -417,6 +419,8 @@ def format_spread(runs: Sequence[Sequence[Comparison]]) -> list[str]:
 # --- Validation set -------------------------------------------------------------------------
 
 VALIDATION_CSV = PUBLISHED_CSV.parent / "validation_published.csv"
+QWEN2_CALIBRATION_CSV = PUBLISHED_CSV.parent / "calibration_qwen2_speed.csv"
+"""Calibration rows in the validation file's format: the v0 host step cost is fitted on them."""
 REGIMES = ("low", "moderate", "saturated")
 THROUGHPUT_METRICS = ("speed_tokens_per_s", "request_throughput_per_s")
 """Metrics where higher is better; the ratio is still predicted / published."""
@@ -652,7 +656,7 @@ def calibration_points(runs: Sequence[Sequence[Comparison]]) -> list[Point]:
 
 
 def validation_points(
-    runs: Sequence[ValidationRun], seeds: int
+    runs: Sequence[ValidationRun], seeds: int, set_name: str = "validation"
 ) -> tuple[list[Point], list[tuple[ValidationRun, str]]]:
     """Simulate every supported run at seeds 0..seeds-1; also the runs left out, with why."""
     points: list[Point] = []
@@ -670,7 +674,7 @@ def validation_points(
         for metric, published in run.published.items():
             predicted = tuple(prediction[metric] for prediction in predictions)
             points.append(
-                Point("validation", run.source, run.regime, run.label, metric, published, predicted)
+                Point(set_name, run.source, run.regime, run.label, metric, published, predicted)
             )
     return points, skipped
 
@@ -716,11 +720,10 @@ def format_breakdown(points: Sequence[Point], seeds: int, title: str) -> list[st
     return lines
 
 
-def format_validation(points: Sequence[Point], skipped, seeds: int) -> list[str]:
-    """One line per validation value: published, predicted (seed 0), ratio, seed range."""
+def format_values(points: Sequence[Point], skipped, seeds: int, title: str) -> list[str]:
+    """One line per value: published, predicted (seed 0), ratio, seed range."""
     lines = [
-        "== VALIDATION values (never used to fit or choose a model variant): published, "
-        "predicted at seed 0, ratio (! = outside band)"
+        f"== {title}: published, predicted at seed 0, ratio (! = outside band)"
         + (f", ratio range over {seeds} seeds (* = published inside it)" if seeds > 1 else "")
     ]
     width = max((len(p.label) for p in points), default=10)
@@ -736,6 +739,55 @@ def format_validation(points: Sequence[Point], skipped, seeds: int) -> list[str]
         )
     for run, why in skipped:
         lines.append(f"{run.label:<{width}} not simulated ({len(run.published)} values): {why}")
+    return lines
+
+
+def implied_host_step_ms(run: ValidationRun) -> float:
+    """The host cost per step that would make a batch-1 offline row match exactly: published
+    time minus the GPU steps, over the number of steps (v0 has no per-request part)."""
+    from servematrix.engine.host import host_cost
+    from servematrix.engine.scheduler import Request
+    from servematrix.engine.setup import build_engine_setup
+
+    setup = build_engine_setup(
+        run.architecture,
+        quantization=run.quantization,
+        tensor_parallel=run.tp,
+        recipe=run.recipe,
+        chunked_prefill=None,
+        max_model_len=run.max_model_len,
+        gpu_memory_utilization=run.gpu_memory_utilization,
+        gpu=run.gpu,
+        enforce_eager=run.enforce_eager,
+        jitter_cv=0.0,
+    )
+    instance = setup.instance(0)
+    instance.add_request(Request(0, run.input_len, run.output_len))
+    elapsed_ms = 0.0
+    while instance.has_work():
+        elapsed_ms += instance.step().duration_s * 1e3
+    cost = host_cost(run.recipe)
+    gpu_ms = elapsed_ms - instance.steps * (cost.step_ms + cost.per_seq_ms)
+    published_ms = run.output_len / run.published["speed_tokens_per_s"] * 1e3
+    return (published_ms - gpu_ms) / instance.steps
+
+
+HOST_FIT_ROWS = ("0.5B BF16 tp1 in1", "1.5B BF16 tp1 in1", "7B BF16 tp1 in1")
+"""Where the v0 host cost is fitted: bf16 (no quantized-kernel uncertainty), one GPU, the
+shortest input (no attention), so the step is as well known as it gets and the rest is host."""
+
+
+def format_host_fit(runs: Sequence[ValidationRun]) -> list[str]:
+    """The v0 host step cost each fitting row implies, their median, and the constant in use."""
+    from servematrix.engine.host import host_cost
+
+    fits = {run.row: implied_host_step_ms(run) for run in runs if run.row in HOST_FIT_ROWS}
+    lines = ["== v0 host cost per step implied by the qwen2-speed rows it is fitted on (ms)"]
+    lines += [f"  {row:<20} {value:.2f}" for row, value in fits.items()]
+    lines.append(
+        f"  median {statistics.median(fits.values()):.2f}; in use "
+        f"(servematrix.engine.host): {host_cost('v0').step_ms:.2f}"
+    )
     return lines
 
 
@@ -792,13 +844,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs += [compare(reseeded(setups, seed)) for seed in range(1, args.seeds)]
             blocks.append(format_spread(runs))
         calibration = calibration_points(runs)
+        qwen2_runs = [] if args.table else load_validation(QWEN2_CALIBRATION_CSV)
+        qwen2, qwen2_skipped = validation_points(qwen2_runs, args.seeds, "calibration")
+        if qwen2_runs:
+            blocks.append(
+                format_values(qwen2, qwen2_skipped, args.seeds, "CALIBRATION qwen2-speed")
+            )
+            blocks.append(format_host_fit(qwen2_runs))
+        calibration += qwen2
         points += calibration
         blocks.append(format_breakdown(calibration, args.seeds, "CALIBRATION"))
     if args.set in ("validation", "both"):
         validation, skipped = validation_points(load_validation(), args.seeds)
         points += validation
         blocks.append(["#### VALIDATION set: other public vLLM results (out of sample)"])
-        blocks.append(format_validation(validation, skipped, args.seeds))
+        title = "VALIDATION values (never used to fit or choose a model variant)"
+        blocks.append(format_values(validation, skipped, args.seeds, title))
         blocks.append(format_breakdown(validation, args.seeds, "VALIDATION"))
     print("\n\n".join("\n".join(block) for block in blocks))
     if args.csv:

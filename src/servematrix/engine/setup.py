@@ -10,6 +10,7 @@ import numpy as np
 from servematrix.engine.aic_table import select_step_time_model
 from servematrix.engine.architecture import Architecture, load_architecture, shipped
 from servematrix.engine.hardware import gpu_spec
+from servematrix.engine.host import NO_HOST_COST, WithHostCost, host_cost
 from servematrix.engine.instance import EngineInstance, Jitter
 from servematrix.engine.kvcache import BlockPool, KvMemoryPlan, plan_kv_memory
 from servematrix.engine.roofline import (
@@ -112,6 +113,18 @@ def build_engine_setup(
 
 
 def step_time_model(
+    arch: Architecture, gpu: str, tp: int, quantization: str, recipe: str, enforce_eager: bool
+) -> tuple[StepTimeModel, str]:
+    """The GPU step (below) plus the recipe's host-side cost per step
+    (``servematrix.engine.host``)."""
+    model, label = _gpu_step_time_model(arch, gpu, tp, quantization, recipe, enforce_eager)
+    cost = host_cost(recipe)
+    if cost == NO_HOST_COST:
+        return model, label
+    return WithHostCost(model, cost), f"{label} + {recipe} host {cost.step_ms:g} ms/step"
+
+
+def _gpu_step_time_model(
     arch: Architecture, gpu: str, tp: int, quantization: str, recipe: str, enforce_eager: bool
 ) -> tuple[StepTimeModel, str]:
     """aiconfigurator's measured table where it covers the setup, else the roofline; both with
