@@ -40,7 +40,7 @@ def tables(cache: Path) -> dict[int, AicStepTime]:
 def handles() -> dict[int, object]:
     from aiconfigurator_core.sdk.engine import EngineHandle
 
-    model_dir = str(aic_table.architecture_dir("qwen2.5-7b"))
+    model_dir = str(aic_table.resolve_config_json("qwen2.5-7b").parent)
     with aic_table._aic_logs_to_debug():
         return {tp: EngineHandle.compile(model_dir, "a100_sxm", "vllm", tp_size=tp) for tp in TPS}
 

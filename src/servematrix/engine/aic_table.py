@@ -45,7 +45,11 @@ from typing import Any
 
 import numpy as np
 
-from servematrix.engine.architecture import Architecture, architecture_dir, load_architecture
+from servematrix.engine.architecture import (
+    Architecture,
+    load_architecture,
+    resolve_config_json,
+)
 from servematrix.engine.steptime import StepBatch, StepTimeModel
 
 logger = logging.getLogger(__name__)
@@ -145,7 +149,7 @@ def aic_query(arch: Architecture, gpu: str, tp: int, quantization: str) -> AicQu
         raise AicUnsupportedError("fp8 on A100 (no FP8 tensor cores; aiconfigurator has no data)")
     if quantization not in ("bf16", "fp8", *WEIGHT_ONLY):
         raise AicUnsupportedError(f"quantization {quantization!r} unknown to the table builder")
-    config = json.loads((architecture_dir(arch.name) / "config.json").read_text())
+    config = json.loads(resolve_config_json(arch.name).read_text())
     approximations: list[str] = []
     if arch.hf_architecture in LLAMA_SHAPED:
         config = llama_shaped(config)
