@@ -320,9 +320,8 @@ async def _stream(
         out.error = f"timed out after {timeout_s:g} s"
     except openai.APIStatusError as error:
         out.error = f"HTTP {error.status_code}: {_error_message(error)}"
-    except openai.APIConnectionError as error:
-        cause = error.__cause__
-        out.error = f"connection error: {_describe(cause) if cause else error}"
+    except (openai.APIConnectionError, httpx2.TransportError) as error:
+        out.error = f"connection error: {_describe(_root_cause(error))}"
     except Exception as error:  # the row records it; one bad request never stops the cell
         out.error = _describe(error)
     if out.error is None:
@@ -342,8 +341,16 @@ def _error_message(error: openai.APIStatusError) -> str:
     return str(error.message)
 
 
+def _root_cause(error: BaseException) -> BaseException:
+    """The exception that started it: the openai and httpx2 layers rename aiohttp's errors
+    (a refused connection and a server closing mid-stream both surface as timeouts there)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
 def _describe(error: BaseException) -> str:
-    text = str(error)
+    text = " ".join(str(error).split())  # one line, whatever the library put in its message
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
@@ -415,10 +422,14 @@ async def wait_ready(settings: ClientSettings, http: httpx2.AsyncClient | None =
                 _check_model(settings, await http.get(models, timeout=probe_s))
                 return
             problem = f"HTTP {response.status_code} from {response.request.url}"
-        except httpx2.TimeoutException:
-            problem = f"no answer within {probe_s:g} s"
+        except httpx2.TimeoutException as error:
+            cause = _root_cause(error)
+            if isinstance(cause, asyncio.TimeoutError | httpx2.TimeoutException):
+                problem = f"no answer within {probe_s:.1f} s"
+            else:
+                problem = _describe(cause)
         except httpx2.TransportError as error:
-            problem = _describe(error)
+            problem = _describe(_root_cause(error))
         await asyncio.sleep(min(READY_POLL_S, max(0.0, deadline - time.monotonic())))
     raise LoadgenError(
         f"server at {settings.server_root} never became ready within "

@@ -1,0 +1,279 @@
+"""The load generator against real servers: the emulator as a subprocess on a free port, a
+socket that never answers, a port with nothing, and a server that hangs mid-request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from aiohttp import web
+
+from servematrix import loadgen, trace
+from servematrix.config import Workload
+from servematrix.workload import build_requests
+
+BIN = Path(sys.executable).parent
+MODEL = "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4"
+VOCAB = 152064
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def emulator(*flags: str) -> Iterator[str]:
+    """The emulator on a free port (not waited for: the load generator's readiness check is
+    under test); yields its URL, stops it."""
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            *(str(BIN / "servematrix-emulator"), "serve", MODEL, "--host", "127.0.0.1"),
+            *("--port", str(port), "--jitter-cv", "0", "--straggler-probability", "0", *flags),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if process.poll() is None:
+            process.terminate()
+        process.communicate(timeout=30)
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "servematrix"), "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def max_in_flight(records) -> int:
+    """Most requests open at once according to the trace (send to last token)."""
+    events = sorted(
+        [(r.sent_s, 1) for r in records] + [(r.end_s or r.sent_s, -1) for r in records],
+        key=lambda e: (e[0], e[1]),
+    )
+    return int(np.max(np.cumsum([step for _, step in events])))
+
+
+def workload(**overrides) -> Workload:
+    values = dict(
+        qps=30.0,
+        input_len=300,
+        output_len=5,
+        num_prompts=40,
+        seed=1,
+        dataset="random",
+        burstiness=1.0,
+        warmup_requests=1,
+    )
+    return Workload(**{**values, **overrides})
+
+
+def run(url: str, w: Workload, **settings) -> loadgen.RunResult:
+    client = loadgen.ClientSettings(
+        base_url=url, model=MODEL, max_concurrency=w.max_concurrency, **settings
+    )
+    return loadgen.run(client, build_requests(w, VOCAB))
+
+
+def test_bench_writes_a_trace_that_metrics_reads(tmp_path):
+    output = tmp_path / "trace.parquet"
+    with emulator() as url:
+        done = bench(
+            *["--base-url", url, "--model", MODEL, "--qps", "20", "--num-prompts", "30"],
+            *["--input-len", "300", "--output-len", "5", "--range-ratio", "0.5"],
+            *["--max-concurrency", "3", "--warmup-requests", "2", "--seed", "4"],
+            *["-o", str(output)],
+        )
+    assert done.returncode == 0, done.stderr
+    table = trace.read(output)
+    rows = table.to_pylist()
+    assert len(rows) == 32 and [r["request_id"] for r in rows] == list(range(32))
+    assert [r["warmup"] for r in rows] == [True, True] + [False] * 30
+    assert all(r["success"] and r["error"] is None for r in rows)
+    assert all(r["backend"] == "external" for r in rows)
+    # Exact token-id prompts: the server counted exactly the planned (spread) lengths.
+    inputs = [r["request_input_len"] for r in rows]
+    assert [r["prompt_tokens"] for r in rows] == inputs and len(set(inputs)) > 5
+    assert min(inputs) >= 150 and max(inputs) <= 450
+    assert all(r["completion_tokens"] == r["request_output_len"] for r in rows)
+    assert all(sum(r["chunk_tokens"]) == r["completion_tokens"] for r in rows)
+    # Warm-ups before t = 0, one at a time; measured sends never before their schedule.
+    warm, measured = rows[:2], rows[2:]
+    assert warm[0]["end_s"] <= warm[1]["sent_s"] and warm[1]["end_s"] < 0
+    assert all(r["sent_s"] >= r["scheduled_s"] >= 0 for r in measured)
+    assert all(
+        r["first_token_s"] == r["chunk_s"][0] and r["end_s"] == r["chunk_s"][-1] for r in rows
+    )
+    records = [trace.RequestRecord(**{k: r[k] for k in trace.REQUEST_COLUMNS}) for r in measured]
+    assert max_in_flight(records) <= 3
+    meta = trace.read_metadata(output)
+    assert meta["clock"]["origin_monotonic_s"] > 0
+    assert meta["workload"]["max_concurrency"] == 3 and meta["bench"]["vocab_size"] == VOCAB
+    assert pq.read_schema(output).metadata is not None
+    shown = subprocess.run(
+        [str(BIN / "servematrix"), "metrics", str(output)], capture_output=True, text=True
+    )
+    assert shown.returncode == 0 and "Successful requests:                    30" in shown.stdout
+
+
+def test_qps_inf_with_a_concurrency_cap_and_injected_failures():
+    """Every request at t = 0, at most 4 in flight; HTTP 500s and streams cut mid-way are rows
+    with their error, and every other row is intact."""
+    w = workload(qps=float("inf"), num_prompts=60, max_concurrency=4, output_len=4)
+    flags = ("--fail-fraction", "0.2", "--drop-after-chunks", "2", "--drop-fraction", "0.2")
+    with emulator(*flags) as url:
+        result = run(url, w)
+    records = [r for r in result.records if not r.warmup]
+    assert len(result.records) == 61 and len(records) == 60
+    assert all(r.scheduled_s == 0.0 for r in records)
+    assert max_in_flight(records) <= 4
+    failed = [r for r in records if not r.success]
+    http = [r for r in failed if r.error.startswith("HTTP 500")]
+    cut = [r for r in failed if not r.error.startswith("HTTP 500")]
+    assert http and cut and len(failed) < 40
+    assert all(not r.chunk_s and r.first_token_s is None for r in http)
+    assert all(len(r.chunk_s) == 2 for r in cut)  # what arrived before the cut is kept
+    ok = [r for r in records if r.success]
+    assert all(r.completion_tokens == 4 and r.prompt_tokens == 300 for r in ok)
+    assert all(sum(r.chunk_tokens) == 4 and len(r.chunk_s) == len(r.chunk_tokens) for r in ok)
+
+
+def test_a_server_that_dies_mid_run_fails_the_rest_and_the_run_ends():
+    """Constant 4 QPS: each request is done before the next, so the first 10 (the warm-up and
+    9 measured) succeed and the 11th kills the server; every later one is a refused row."""
+    w = workload(qps=4.0, burstiness=float("inf"), num_prompts=16)
+    with emulator("--die-after-requests", "10") as url:
+        started = time.monotonic()
+        result = run(url, w, request_timeout_s=60)
+        took = time.monotonic() - started
+    assert [r.request_id for r in result.records] == list(range(17)) and took < 60
+    ok = [r.request_id for r in result.records if r.success]
+    assert set(ok) <= set(range(10)) and len(ok) >= 8  # a loaded machine may overlap two
+    failed = [r for r in result.records if not r.success]
+    assert all(r.error.startswith("connection error: ") for r in failed)
+    assert all("\n" not in r.error for r in failed)
+    after = [r for r in result.records if r.request_id >= 11]
+    assert all("ConnectionRefusedError" in r.error for r in after)
+
+
+def _bench_against(url: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    output = tmp_path / "trace.parquet"
+    done = bench(
+        "--base-url", url, "--model", MODEL, "--num-prompts", "3", "-o", str(output), *extra
+    )
+    assert not output.exists() and list(tmp_path.iterdir()) == []
+    return done
+
+
+def test_a_socket_that_never_answers_is_one_line_and_no_trace(tmp_path):
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(16)  # accepted by the kernel, never read, never answered
+        url = f"http://127.0.0.1:{listening.getsockname()[1]}"
+        started = time.monotonic()
+        done = _bench_against(url, tmp_path, "--ready-timeout-s", "2")
+        took = time.monotonic() - started
+    assert done.returncode == 1 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(
+        f"servematrix bench: server at {url} never became ready within 2 s"
+    )
+    assert "no answer" in done.stderr
+    assert took < 60
+
+
+def test_a_port_with_nothing_is_one_line_and_no_trace(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    done = _bench_against(url, tmp_path, "--ready-timeout-s", "1")
+    assert done.returncode == 1 and done.stderr.count("\n") == 1
+    assert f"server at {url} never became ready within 1 s" in done.stderr
+    assert "ConnectionRefusedError" in done.stderr  # the last probe's failure is named
+
+
+def test_a_server_serving_another_model_is_one_line(tmp_path):
+    with emulator() as url:
+        done = bench(
+            "--base-url",
+            url,
+            "--model",
+            "other/model",
+            "--num-prompts",
+            "2",
+            "-o",
+            str(tmp_path / "t.parquet"),
+        )
+    assert done.returncode == 1 and done.stderr.count("\n") == 1
+    assert f"does not serve model 'other/model' (it serves: {MODEL})" in done.stderr
+    assert not (tmp_path / "t.parquet").exists()
+
+
+@contextmanager
+def hanging_server() -> Iterator[str]:
+    """Ready (/health 200) but never answers a completion: for the per-request timeout."""
+
+    async def health(request):
+        return web.Response()
+
+    async def hang(request):
+        await asyncio.sleep(3600)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", hang)
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+
+def test_a_request_that_never_ends_times_out_as_a_failed_row():
+    with hanging_server() as url:
+        result = run(url, workload(num_prompts=3, warmup_requests=0), request_timeout_s=1)
+    assert [r.success for r in result.records] == [False] * 3
+    assert all(r.error == "timed out after 1 s" for r in result.records)
+
+
+def test_environment_proxies_are_ignored():
+    """A benchmark talks to its server: an HTTP proxy in the environment must not intercept."""
+    with hanging_server() as url:
+        env = {**os.environ, "HTTP_PROXY": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"}
+        code = (
+            "import asyncio, sys; from servematrix import loadgen; "
+            f"s = loadgen.ClientSettings({url!r}, 'm', None, ready_timeout_s=5); "
+            "asyncio.run(loadgen.wait_ready(s)); print('ready')"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
+    assert done.stdout.strip() == "ready", done.stderr
+    assert json.dumps(None) == "null"
