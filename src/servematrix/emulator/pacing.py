@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from servematrix.engine.instance import EngineInstance
@@ -56,7 +56,7 @@ class WallClockEngine:
         self.instance = instance
         self.counters = EngineCounters()
         self._ids = itertools.count()
-        self._arrivals: deque[TokenStream] = deque()
+        self._arrivals: list[TokenStream] = []
         self._streams: dict[int, TokenStream] = {}
         self._aborted: list[TokenStream] = []
         self._wake = asyncio.Event()
@@ -74,10 +74,14 @@ class WallClockEngine:
         pool = self.instance.scheduler.pool
         return pool.used_blocks / pool.num_blocks
 
-    def submit(self, prompt_tokens: int, max_tokens: int) -> TokenStream:
-        """Queue a request; it joins the first step that starts after now."""
+    def submit(
+        self, prompt_tokens: int, max_tokens: int, arrival_s: float | None = None
+    ) -> TokenStream:
+        """Queue a request that arrived at ``arrival_s`` (monotonic; default now). It joins the
+        first step that starts at or after then, unless that step was already formed when the
+        request was submitted (then the next one)."""
         request = Request(next(self._ids), prompt_tokens, max_tokens)
-        stream = TokenStream(request, time.monotonic())
+        stream = TokenStream(request, time.monotonic() if arrival_s is None else arrival_s)
         self._arrivals.append(stream)
         self._wake.set()
         return stream
@@ -90,18 +94,15 @@ class WallClockEngine:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         instance = self.instance
-        arrivals = self._arrivals
         start_s: float | None = None  # None: idle
+        last_end_s = -math.inf
         while True:
             if start_s is None:
-                while not arrivals:
+                while not self._arrivals:
                     self._wake.clear()
                     await self._wake.wait()
-                start_s = arrivals[0].arrival_s
-            while arrivals and arrivals[0].arrival_s <= start_s:
-                stream = arrivals.popleft()
-                self._streams[stream.request.request_id] = stream
-                instance.add_request(stream.request)
+                start_s = max(min(s.arrival_s for s in self._arrivals), last_end_s)
+            self._admit(start_s)
             self._apply_aborts()
             if not instance.has_work():
                 start_s = None
@@ -112,7 +113,18 @@ class WallClockEngine:
             if delay > 0:
                 await asyncio.sleep(delay)
             self._release(result.emitted, result.finished, end_s, result.num_preempted)
-            start_s = end_s
+            start_s = last_end_s = end_s
+
+    def _admit(self, start_s: float) -> None:
+        """Add the requests that arrived by ``start_s``, first come first served (submission
+        order can differ from arrival order: a long body takes longer to read)."""
+        arrived = [s for s in self._arrivals if s.arrival_s <= start_s]
+        if not arrived:
+            return
+        self._arrivals = [s for s in self._arrivals if s.arrival_s > start_s]
+        for stream in sorted(arrived, key=lambda s: s.arrival_s):
+            self._streams[stream.request.request_id] = stream
+            self.instance.add_request(stream.request)
 
     def _release(
         self, emitted: list[Request], finished: list[Request], end_s: float, preempted: int

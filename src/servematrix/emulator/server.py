@@ -61,7 +61,6 @@ class RequestLog:
     arrival_s: float
     prompt_tokens: int = 0
     max_tokens: int = 0
-    engine_arrival_s: float | None = None
     token_due_s: list[float] = field(default_factory=list)
     chunk_s: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
@@ -162,8 +161,9 @@ class Emulator:
             return self._error(error)
         log.prompt_tokens, log.max_tokens = prompt_tokens, max_tokens
         log.kv_transfer_params = body.get("kv_transfer_params")
-        stream = self.engine.submit(prompt_tokens, max_tokens)
-        log.engine_arrival_s = stream.arrival_s
+        # The request counts as arrived when its headers were read: the simulator, the ground
+        # truth, has no network either, and parsing a long prompt's body takes milliseconds.
+        stream = self.engine.submit(prompt_tokens, max_tokens, arrival_s)
         head = {
             "id": rid,
             "object": "text_completion",
@@ -174,6 +174,8 @@ class Emulator:
             if body.get("stream"):
                 return await self._stream(request, body, head, stream, log, drop)
             return await self._complete(head, stream, log)
+        except ConnectionResetError:  # the client went away: vLLM aborts the request
+            return web.Response(status=499)
         finally:
             self.engine.abort(stream)  # no-op when it finished
             if log.end_s is None:

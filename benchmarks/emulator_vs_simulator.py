@@ -1,0 +1,256 @@
+"""The emulator against the simulator, same cell: does wall-clock pacing reproduce the engine?
+
+For the mooncake study's single-instance shapes (Qwen2.5-72B-Instruct at TP 4 and
+Qwen2.5-7B-Instruct-GPTQ-Int4 at TP 1, A100, recipe v0, input 1024, output 6) and each QPS, this
+script
+
+1. simulates the cell (``servematrix.simulate``, mode ``single``: the client talks to one
+   instance, no proxy);
+2. starts a fresh ``servematrix-emulator`` with the same flags a v0 deployment gets (so its jitter
+   stream starts where the simulator's does: both seed it with (seed, instance 0)), drives the
+   same seeded workload through it with ``servematrix.loadgen`` (warm-up first, then the
+   schedule), and reads the server's own timestamps from ``/servematrix/requests``;
+3. prints TTFT / TPOT / ITL mean, median and P99 both ways with the ratio emulator / simulator,
+   and the pacing error: how late each chunk left the server after the engine's step end
+   (``chunk_s - token_due_s``), and how much later the client saw it.
+
+The simulator is the ground truth; the target is ratios within a few percent. Differences come
+from the wall clock only: the client's send lag and the HTTP hop shift arrivals by about a
+millisecond, which can move a request into a different step than in virtual time.
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/emulator_vs_simulator.py            # 200 prompts, ~8 minutes
+    .venv/bin/python benchmarks/emulator_vs_simulator.py --quick    # 40 prompts, QPS 4 and 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from servematrix import loadgen
+from servematrix.cell import identity
+from servematrix.config import MODES, Cell, Serving, Workload, load_file
+from servematrix.engine.architecture import load_architecture
+from servematrix.metrics import CellMetrics, compute
+from servematrix.simulate import simulate
+from servematrix.trace import RequestRecord, to_table
+from servematrix.workload import build_requests
+
+ROOT = Path(__file__).resolve().parents[1]
+EMULATOR = str(Path(sys.executable).with_name("servematrix-emulator"))
+MODELS = ("Qwen2.5-72B-Instruct", "Qwen2.5-7B-Instruct-GPTQ-Int4")
+GPU = "A100-SXM4-80GB"
+METRICS = ("ttft", "tpot", "itl")
+STATS = ("mean", "median", "p99")
+
+
+@dataclass
+class Emulated:
+    """One emulated cell: the client's records, the same requests as the server timed them
+    (sent = request headers read, chunks = written), and the pacing errors in ms."""
+
+    client: list[RequestRecord]
+    server: list[RequestRecord]
+    write_lag_ms: np.ndarray  # chunk written - its last token's engine step end
+    read_lag_ms: np.ndarray  # chunk received by the client - written
+    arrival_ms: np.ndarray  # request headers read by the server - client send
+
+
+def cell_for(model_name: str, qps: float, num_prompts: int) -> Cell:
+    config = load_file(ROOT / "config" / "config.yaml")
+    defaults = config.raw["defaults"]
+    workload = Workload(
+        qps=qps,
+        input_len=1024,
+        output_len=6,
+        num_prompts=num_prompts,
+        seed=0,
+        dataset="random",
+        burstiness=1.0,
+        warmup_requests=1,
+    )
+    return Cell(
+        backend="emulator",
+        recipe="v0",
+        model=config.models[model_name],
+        mode=MODES["single"],
+        workload=workload,
+        serving=Serving(defaults["max_model_len"], defaults["gpu_memory_utilization"]),
+        engine={"gpu": GPU},
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def emulate(cell: Cell) -> Emulated:
+    port = free_port()
+    argv = [
+        EMULATOR, "serve", cell.model.hf_id, "--recipe", cell.recipe, "--gpu", GPU,
+        "-tp", str(cell.model.tensor_parallel), "--max-model-len", str(cell.serving.max_model_len),
+        "--gpu-memory-utilization", str(cell.serving.gpu_memory_utilization),
+        "--seed", str(cell.workload.seed), "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        settings = loadgen.ClientSettings(
+            base_url=f"http://127.0.0.1:{port}", model=cell.model.hf_id, max_concurrency=None,
+            ready_timeout_s=120.0,
+        )  # fmt: skip
+        vocab = load_architecture(cell.model.architecture).vocab_size
+        result = loadgen.run(settings, build_requests(cell.workload, vocab), progress=None)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/servematrix/requests") as response:
+            server_log = json.load(response)
+    finally:
+        server.terminate()
+        _, stderr = server.communicate(timeout=30)
+    if server.returncode not in (0, -15):
+        raise RuntimeError(f"emulator failed ({server.returncode}): {stderr[-2000:]}")
+    return emulated(result, server_log)
+
+
+def emulated(result: loadgen.RunResult, server_log: dict) -> Emulated:
+    origin = result.origin_monotonic_s
+    server_records, write, read, arrival = [], [], [], []
+    for record in result.records:
+        entry = server_log[f"{result.request_id_prefix}-{record.request_id}"]
+        written = np.array(entry["chunk_s"])
+        due = np.array(entry["token_due_s"])[np.cumsum(entry["chunk_tokens"]) - 1]
+        write.append(written - due)
+        if len(record.chunk_s) == len(written):
+            read.append(np.array(record.chunk_s) + origin - written)
+        arrival.append(entry["arrival_s"] - (record.sent_s + origin))
+        chunks = (written - origin).tolist()
+        server_records.append(
+            replace(
+                record,
+                sent_s=entry["arrival_s"] - origin,
+                first_token_s=chunks[0],
+                end_s=chunks[-1],
+                chunk_s=chunks,
+                chunk_tokens=entry["chunk_tokens"],
+            )
+        )
+    return Emulated(
+        result.records,
+        server_records,
+        np.concatenate(write) * 1e3,
+        np.concatenate(read) * 1e3,
+        np.array(arrival) * 1e3,
+    )
+
+
+def metrics_of(cell: Cell, records: list[RequestRecord]) -> CellMetrics:
+    return compute(to_table(identity(cell), records, {}))
+
+
+def ratio_cells(sim: CellMetrics, emu: CellMetrics) -> tuple[list[str], float]:
+    """Table cells "sim emu ratio" per metric and statistic, and the largest |ratio - 1|."""
+    cells, worst = [], 0.0
+    for metric in METRICS:
+        for stat in STATS:
+            s = getattr(sim, f"{stat}_{metric}_ms")
+            e = getattr(emu, f"{stat}_{metric}_ms")
+            cells.append(f"{s:.1f} / {e:.1f} / {e / s:.3f}")
+            worst = max(worst, abs(e / s - 1))
+    return cells, worst
+
+
+def percentiles(values_ms: np.ndarray) -> str:
+    p50, p99 = np.percentile(values_ms, [50, 99])
+    return f"{p50:.2f} / {p99:.2f} / {values_ms.max():.2f}"
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    print(f"\n{title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="40 prompts at QPS 4 and 8")
+    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--qps", default=None, help="comma-separated (default 2,4,6,8)")
+    args = parser.parse_args()
+    num_prompts = args.num_prompts or (40 if args.quick else 200)
+    qps_list = [float(q) for q in (args.qps or ("4,8" if args.quick else "2,4,6,8")).split(",")]
+    print(
+        f"emulator vs simulator: recipe v0, {GPU}, single instance, input 1024, output 6, "
+        f"{num_prompts} prompts (+1 warm-up), seed 0; cells are simulator / emulator / ratio (ms)"
+    )
+    header = ["model", "qps"] + [f"{m} {s}" for m in METRICS for s in STATS]
+    client_rows, server_rows, pacing_rows = [], [], []
+    worst = {"client": 0.0, "server": 0.0}
+    for model in MODELS:
+        for qps in qps_list:
+            cell = cell_for(model, qps, num_prompts)
+            sim = metrics_of(cell, simulate(cell).records)
+            started = time.perf_counter()
+            run = emulate(cell)
+            elapsed = time.perf_counter() - started
+            label = [model, f"{qps:g}"]
+            for name, records, rows in (
+                ("client", run.client, client_rows),
+                ("server", run.server, server_rows),
+            ):
+                cells, off = ratio_cells(sim, metrics_of(cell, records))
+                rows.append(label + cells)
+                worst[name] = max(worst[name], off)
+            client = metrics_of(cell, run.client)
+            pacing_rows.append(
+                [
+                    *label,
+                    percentiles(run.write_lag_ms),
+                    percentiles(run.read_lag_ms),
+                    percentiles(run.arrival_ms),
+                    f"{client.send_lag_p99_ms:.2f}",
+                    str(client.failed),
+                    f"{elapsed:.0f}",
+                ]
+            )
+            print(f"{model} qps {qps:g}: done in {elapsed:.0f} s", flush=True)
+    table("client-observed (the load generator's trace) vs simulator", header, client_rows)
+    table(
+        "server-side (the emulator's own timestamps: request read -> chunk written) vs simulator",
+        header,
+        server_rows,
+    )
+    table(
+        "pacing, ms as P50 / P99 / max",
+        [
+            "model",
+            "qps",
+            "chunk written - step end",
+            "chunk received - written",
+            "request read - client send",
+            "send lag P99",
+            "failed",
+            "wall s",
+        ],
+        pacing_rows,
+    )
+    print(
+        f"\nlargest |ratio - 1| over every metric and cell: client-observed "
+        f"{worst['client'] * 100:.1f} %, server-side {worst['server'] * 100:.1f} %"
+    )
+
+
+if __name__ == "__main__":
+    main()
