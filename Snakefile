@@ -1,10 +1,15 @@
 # servematrix: config in, report out. See README.md and shared design.
+import sys
+
 from snakemake.utils import min_version
+
+from servematrix.workflow import missing_results, report_requested
 
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# No `configfile:` here: rules/common.smk reads config/config.yaml (or the --configfile given
+# instead of it) with servematrix's loader, so `snakemake` and `servematrix check` agree.
 
 
 report: "report/workflow.rst"
@@ -15,6 +20,14 @@ include: "rules/cells.smk"
 include: "rules/aggregate.smk"
 include: "rules/figures.smk"
 include: "rules/report.smk"
+
+
+if report_requested(sys.argv):
+    with fail_on_config_error():
+        message = missing_results(get_final_output())
+    if message:
+        print(message, file=sys.stderr)
+        sys.exit(1)
 
 
 rule all:

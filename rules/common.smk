@@ -4,13 +4,19 @@ import json
 from pathlib import Path
 
 from servematrix import config as sb_config
-from servematrix.cell import check_backend
-from servematrix.workflow import fail_on_config_error
+from servematrix.workflow import fail_on_config_error, workflow_config
 
+# Snakemake's own `config` is not used: the workflow re-reads the config file (the
+# --configfile ones if given, else config/config.yaml, never both merged) with the same
+# loader and checks as `servematrix check`, then applies the --config overrides.
 with fail_on_config_error():
-    SB = sb_config.load(config, Path(workflow.basedir) / "config" / "schema.yaml")
-    check_backend(SB.backend)
+    SB = workflow_config(
+        workflow.config_settings.configfiles,
+        workflow.config_settings.config,
+        Path(workflow.basedir) / "config" / "schema.yaml",
+    )
 # The report's Jinja templates read `config`: give them the validated one, defaults filled.
+config.clear()
 config.update(SB.raw)
 
 STUDIES = SB.studies

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from servematrix import bench, config, metrics, trace
 from servematrix.deploy import dryrun as deploy_dryrun
@@ -19,10 +21,15 @@ LATENCY_ROWS = (
 
 
 def _check(args: argparse.Namespace) -> int:
-    cfg = config.load_file(args.config)
+    from servematrix.workflow import check_config  # the workflow's own check, not a copy
+
+    cfg = check_config(config.read_yaml(args.config))
     for name, study in cfg.studies.items():
         print(f"{name}: {len(study.cells)} cells ({study.recipe}, x = {study.x})")
     print(f"{len(cfg.all_cells())} distinct cells on backend {cfg.backend}")
+    gpus = config.gpus_needed(cfg)
+    node = cfg.raw.get("node", {}).get("gpus", config.DEFAULT_NODE_GPUS)
+    print(f"GPUs pinned: {', '.join(map(str, gpus))} (of {node} on the node)")
     return 0
 
 
@@ -53,13 +60,23 @@ def _slo(text: str) -> tuple[str, float]:
     if key not in metrics.SLO_KEYS or not value:
         raise argparse.ArgumentTypeError(f"expected KEY=MS with KEY in {metrics.SLO_KEYS}")
     try:
-        return key, float(value)
+        ms = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number of ms") from None
+    if not 0 < ms < math.inf:
+        raise argparse.ArgumentTypeError(f"{key}={value}: an SLO must be a positive number of ms")
+    return key, ms
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line (``-h`` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="servematrix", description=__doc__)
+    top = _Parser(prog="servematrix", description=__doc__)
     commands = top.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="validate a config and count its cells")
     check.add_argument("config", type=Path)

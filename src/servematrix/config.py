@@ -459,6 +459,7 @@ def load(raw: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) -> Config:
     _check_shared_cells(studies)
     if data["backend"] == "external" and not data.get("base_url"):
         raise ConfigError("base_url", "backend external needs the server's base_url")
+    check_input(data, models, studies)
     return Config(
         backend=data["backend"],
         raw=data,
@@ -469,18 +470,213 @@ def load(raw: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) -> Config:
 
 
 def load_file(path: Path) -> Config:
-    if not Path(path).is_file():
-        raise ConfigError(str(path), "no such file")
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as error:
-        raise ConfigError(str(path), f"not valid YAML: {error}") from error
-    if not isinstance(raw, dict):
-        raise ConfigError(str(path), "the config must be a mapping")
-    return load(raw)
+    return load(read_yaml(path))
 
 
 def wildcard_pattern(values: Iterable[str]) -> str:
     """A regex alternation matching exactly these names (for wildcard_constraints)."""
     names = sorted(set(values), key=len, reverse=True)
     return "|".join(re.escape(v) for v in names) or "(?!x)x"
+
+
+# Bad input beyond the schema: each check names the key path, so a typo costs one line of
+# error before any job (issue 11). `servematrix check` and the workflow both run them in `load`.
+
+CELL_MEMORY_CEILING_BYTES = 4 * 2**30
+"""Largest estimated memory of one cell; a bigger cell is refused before it runs."""
+BYTES_PER_REQUEST = 4096
+BYTES_PER_INPUT_TOKEN = 48
+BYTES_PER_OUTPUT_TOKEN = 128
+"""Per request: its trace row and engine state, one streamed chunk (time, token count) per
+output token and, on the backends that send prompts, the prompt's token ids (a Python int
+each, and the request body). Above what ``benchmarks/cell_memory.py`` measures: about 3 kB per
+request and 80 B per output token in a simulated cell, 41 B per prompt token in the request
+list the client sends."""
+DEFAULT_NODE_GPUS = 8
+
+
+def cell_memory_bytes(
+    requests: int, input_len: int, output_len: int, sends_prompts: bool = True
+) -> int:
+    """Estimated memory of a cell of ``requests`` requests (warm-ups included); the simulator
+    replays lengths and holds no prompt (``sends_prompts`` False)."""
+    prompt = BYTES_PER_INPUT_TOKEN * input_len if sends_prompts else 0
+    return requests * (BYTES_PER_REQUEST + prompt + BYTES_PER_OUTPUT_TOKEN * output_len)
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:,.1f} GiB"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key written twice in one mapping is an error."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in first:
+                    raise yaml.constructor.ConstructorError(
+                        problem=f"key {key!r} appears twice (lines {first[key]} and {line})",
+                        problem_mark=key_node.start_mark,
+                    )
+                first[key] = line
+            except TypeError:  # an unhashable key: the base class says so
+                break
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A config file as a mapping; a syntax error or a repeated key names its line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(str(path), "no such file")
+    try:
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = error.problem or error.context or "not valid YAML"
+        if "appears twice" in problem:
+            raise ConfigError(str(path), problem) from None
+        if error.context and error.context_mark and error.context_mark.line != mark.line:
+            problem += f" ({error.context} at line {error.context_mark.line + 1})"
+        raise ConfigError(str(path), f"not valid YAML at {where}{problem}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ConfigError(str(path), f"not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(str(path), "the config must be a mapping")
+    return raw
+
+
+def _check_lists(data: Mapping[str, Any]) -> None:
+    """A value twice in a study's list would measure one cell twice (duplicate summary rows)."""
+    for name, study in data["studies"].items():
+        for key in ("models", "modes", "qps", "input_len"):
+            first: dict[Any, int] = {}
+            for i, value in enumerate(study[key]):
+                j = first.setdefault(value, i)
+                if j != i:
+                    raise ConfigError(
+                        f"studies.{name}.{key}[{i}]",
+                        f"{value!r} is already {key}[{j}]: each value once",
+                    )
+
+
+def _check_gpu_pins(data: Mapping[str, Any]) -> None:
+    node_gpus = data.get("node", {}).get("gpus", DEFAULT_NODE_GPUS)
+    for name, model in data["models"].items():
+        for i, gpus in enumerate(model["gpus"]):
+            beyond = sorted(g for g in gpus if g >= node_gpus)
+            if beyond:
+                raise ConfigError(
+                    f"models.{name}.gpus[{i}]",
+                    f"pins GPU {beyond[0]} but the node has {node_gpus} GPUs "
+                    f"(ids 0-{node_gpus - 1}; set node.gpus for a bigger node)",
+                )
+
+
+def _check_architectures(models: Mapping[str, ModelSpec]) -> None:
+    """Every architecture resolves (shipped, local config.json or Hub id) and is modelled."""
+    from servematrix.engine.architecture import ArchitectureError, load_architecture
+
+    for name, spec in models.items():
+        try:
+            load_architecture(spec.architecture)
+        except ArchitectureError as error:
+            raise ConfigError(f"models.{name}.architecture", str(error)) from None
+
+
+def _check_cell_memory(data: Mapping[str, Any], studies: Mapping[str, Study]) -> None:
+    for name, study in studies.items():
+        for cell in study.cells:
+            w = cell.workload
+            requests = w.num_prompts + w.warmup_requests
+            sizes = (w.input_len, w.output_len, cell.backend != "simulator")
+            needed = cell_memory_bytes(requests, *sizes)
+            if needed <= CELL_MEMORY_CEILING_BYTES:
+                continue
+            fits = CELL_MEMORY_CEILING_BYTES // cell_memory_bytes(1, *sizes)
+            in_study = "num_prompts" in data["studies"][name].get("workload", {})
+            key = f"studies.{name}.workload.num_prompts" if in_study else "defaults.num_prompts"
+            if fits < 1 + w.warmup_requests:
+                key = f"studies.{name}.input_len"
+            raise ConfigError(
+                key,
+                f"{requests:,} requests of input {w.input_len} and output {w.output_len} tokens "
+                f"need about {_gib(needed)} in one cell, above the ceiling of "
+                f"{_gib(CELL_MEMORY_CEILING_BYTES)} (at most {fits:,} requests of these lengths)",
+            )
+
+
+def _check_engine_fits(data: Mapping[str, Any], studies: Mapping[str, Study]) -> None:
+    """Serving flags vLLM refuses at start-up (a token budget below max_model_len without
+    chunked prefill) are refused here; on the backends whose server is the engine model
+    (simulator, emulator), so is a model that does not fit (weights or max_model_len beyond the
+    GPU), with vLLM's reason, instead of failing the cell's job."""
+    from servematrix.engine.architecture import load_architecture
+    from servematrix.engine.hardware import gpu_spec
+    from servematrix.engine.kvcache import ModelDoesNotFitError, plan_kv_memory
+    from servematrix.engine.roofline import weight_bytes
+    from servematrix.engine.scheduler import scheduler_config
+
+    planned: set[tuple[Any, ...]] = set()
+    for name, study in studies.items():
+        for cell in study.cells:
+            m, s = cell.model, cell.serving
+            gpu = str(cell.engine.get("gpu", "A100-SXM4-80GB"))
+            key = (m, cell.recipe, cell.mode.chunked_prefill, s, gpu, cell.backend)
+            if key in planned:
+                continue
+            planned.add(key)
+            spec = gpu_spec(gpu)
+            try:
+                sched = scheduler_config(
+                    cell.recipe,
+                    cell.mode.chunked_prefill,
+                    s.max_model_len,
+                    spec.name,
+                    s.max_num_batched_tokens,
+                )
+            except ValueError as error:
+                in_study = "max_num_batched_tokens" in data["studies"][name].get("workload", {})
+                where = f"studies.{name}.workload" if in_study else "defaults"
+                raise ConfigError(f"{where}.max_num_batched_tokens", str(error)) from None
+            if cell.backend not in ("simulator", "emulator"):
+                continue
+            arch = load_architecture(m.architecture)
+            try:
+                plan_kv_memory(
+                    model_label=f"{m.name} ({m.quantization})",
+                    arch=arch,
+                    weight_bytes=weight_bytes(arch, m.quantization),
+                    gpu=spec,
+                    tp=m.tensor_parallel,
+                    gpu_memory_utilization=s.gpu_memory_utilization,
+                    max_model_len=s.max_model_len,
+                    max_num_batched_tokens=sched.max_num_batched_tokens,
+                    max_num_seqs=sched.max_num_seqs,
+                )
+            except ModelDoesNotFitError as error:
+                index = study.models.index(m.name)
+                raise ConfigError(f"studies.{name}.models[{index}]", str(error)) from None
+
+
+def check_input(
+    data: Mapping[str, Any], models: Mapping[str, ModelSpec], studies: Mapping[str, Study]
+) -> None:
+    """The checks the schema cannot express, in the order a reader would fix them."""
+    _check_lists(data)
+    _check_gpu_pins(data)
+    _check_architectures(models)
+    _check_cell_memory(data, studies)
+    _check_engine_fits(data, studies)
+
+
+def gpus_needed(cfg: Config) -> list[int]:
+    """Every GPU id some cell of the config pins."""
+    return sorted({g for cell in cfg.all_cells() for gpus in cell.instance_gpus for g in gpus})

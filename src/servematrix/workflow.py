@@ -1,13 +1,76 @@
-"""Glue between Snakemake and the package: clean config errors and script logging."""
+"""Glue between Snakemake and the package: the one config check, clean errors, script logging."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
+from servematrix import config
+from servematrix.cell import check_backend
 from servematrix.config import ConfigError
+
+DEFAULT_CONFIGFILE = "config/config.yaml"
+
+
+def check_config(raw: Mapping[str, Any], schema_path: Path = config.SCHEMA_PATH) -> config.Config:
+    """Everything that must hold before any job: `servematrix check` and the workflow run this."""
+    cfg = config.load(raw, schema_path)
+    check_backend(cfg.backend)
+    return cfg
+
+
+def merged(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """``update`` merged into ``base`` key by key, nested mappings too (as Snakemake merges)."""
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            merged(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def workflow_config(
+    configfiles: Sequence[str | Path],
+    overrides: Mapping[str, Any],
+    schema_path: Path = config.SCHEMA_PATH,
+) -> config.Config:
+    """The config a Snakemake run plans: ``--config configfile=FILE`` or the ``--configfile``
+    files if given, else ``config/config.yaml`` (never merged with it), read with servematrix's
+    own YAML loader (a repeated key, a syntax error's line), then the other ``--config
+    KEY=VALUE`` overrides. Snakemake parses a ``--configfile`` itself first, and reports a
+    syntax error there without its line; ``--config configfile=FILE`` leaves that to us."""
+    overrides = dict(overrides)
+    if "configfile" in overrides:
+        configfiles = [str(overrides.pop("configfile"))]
+    raw: dict[str, Any] = {}
+    for path in configfiles or [DEFAULT_CONFIGFILE]:
+        path = Path(path)
+        if path.is_absolute() and path.is_relative_to(Path.cwd()):
+            path = path.relative_to(Path.cwd())  # named as the user typed it, as `check` does
+        merged(raw, config.read_yaml(path))
+    return check_config(merged(raw, overrides), schema_path)
+
+
+def report_requested(argv: Sequence[str]) -> bool:
+    """``snakemake --report FILE`` without a run first (``--report-after-run`` runs first)."""
+    report = any(arg == "--report" or arg.startswith("--report=") for arg in argv)
+    return report and "--report-after-run" not in argv
+
+
+def missing_results(paths: Iterable[str]) -> str | None:
+    """One line for a report asked before the results it packs exist, else None."""
+    missing = [path for path in paths if not Path(path).exists()]
+    if not missing:
+        return None
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    return (
+        f"servematrix: no results to report yet ({missing[0]}{more} missing): "
+        "run `snakemake --cores 1 all` first"
+    )
 
 
 @contextlib.contextmanager

@@ -1,0 +1,351 @@
+"""Bad input (issue 11): every row is one exact line from `servematrix check`, nothing written.
+
+The same rows go through real Snakemake in test_bad_input_workflow.py; both call
+`servematrix.workflow.check_config`, so the lines are the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from servematrix import cli, config
+from servematrix.engine import architecture
+from tests.conftest import ROOT, SMALL_CONFIG
+
+SHIPPED = ", ".join(architecture.shipped())
+MODEL = "Qwen2.5-14B-Instruct"
+
+
+def _set(path: tuple[str, ...], value: Any) -> Callable[[dict], None]:
+    """Set a key path (``("studies", "disagg", "qps")``) of the config."""
+
+    def apply(cfg: dict) -> None:
+        *parents, last = path
+        node = cfg
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+
+    return apply
+
+
+def _pins(gpus: list[list[int]]) -> Callable[[dict], None]:
+    def apply(cfg: dict) -> None:
+        cfg["models"][MODEL].update(gpus=gpus, tensor_parallel=len(gpus[0]))
+
+    return apply
+
+
+# (row of the issue's table, change to the small config, the one line both check and workflow print)
+ROWS: list[tuple[str, Callable[[dict], None], str]] = [
+    (
+        "num_prompts-ceiling",
+        _set(("defaults", "num_prompts"), 1_000_000_000),
+        "config error at defaults.num_prompts: 1,000,000,001 requests of input 1024 and output 6 "
+        "tokens need about 4,530.0 GiB in one cell, above the ceiling of 4.0 GiB "
+        "(at most 883,011 requests of these lengths)",
+    ),
+    (
+        "architecture-not-shipped",
+        _set(("models", MODEL, "architecture"), "llama-3.1-8b"),
+        f"config error at models.{MODEL}.architecture: unknown architecture 'llama-3.1-8b': "
+        f"give a shipped name ({SHIPPED}), a path to a config.json, or a Hugging Face id such "
+        "as org/model",
+    ),
+    (
+        "integer-float-tp",
+        _set(("models", MODEL, "tensor_parallel"), 4.0),
+        f"config error at models.{MODEL}.tensor_parallel: 4.0 is not of type 'integer'",
+    ),
+    (
+        "integer-float-num-prompts",
+        _set(("defaults", "num_prompts"), 200.0),
+        "config error at defaults.num_prompts: 200.0 is not of type 'integer'",
+    ),
+    (
+        "qps-nan",
+        _set(("studies", "disagg", "qps"), [2, math.nan]),
+        "config error at studies.disagg.qps[1]: nan is not of type 'number'",
+    ),
+    (
+        "duplicate-qps",
+        _set(("studies", "disagg", "qps"), [2, 2, 4]),
+        "config error at studies.disagg.qps[1]: 2 is already qps[0]: each value once",
+    ),
+    (
+        "gpu-pin-12",
+        _pins([[12]]),
+        f"config error at models.{MODEL}.gpus[0]: pins GPU 12 but the node has 8 GPUs "
+        "(ids 0-7; set node.gpus for a bigger node)",
+    ),
+    (
+        "gpu-pins-8-11",
+        _pins([[8, 9, 10, 11]]),
+        f"config error at models.{MODEL}.gpus[0]: pins GPU 8 but the node has 8 GPUs "
+        "(ids 0-7; set node.gpus for a bigger node)",
+    ),
+    (
+        "slo-negative",
+        _set(("slo_ms", "ttft"), -5),
+        "config error at slo_ms.ttft: -5 is less than or equal to the minimum of 0",
+    ),
+]
+
+# A key written twice, and a syntax error: YAML text, located by line.
+TEXT_ROWS: list[tuple[str, Callable[[str], str], str]] = [
+    (
+        "duplicate-yaml-key",
+        lambda text: text + "studies:\n  other: {}\n",
+        "config error at {path}: key 'studies' appears twice (lines {first} and {last})",
+    ),
+    (
+        "yaml-syntax-error",
+        lambda text: text.replace("seed: 0", "seed: [0", 1),
+        "config error at {path}: not valid YAML at line {after_seed}, column 18: "
+        "expected ',' or ']', but got ':' (while parsing a flow sequence at line {seed_line})",
+    ),
+]
+
+
+def config_text(cfg: dict[str, Any]) -> str:
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def broken_text(row: str) -> tuple[str, dict[str, int]]:
+    """The YAML of a TEXT_ROWS row, and the line numbers its message names."""
+    _, change, _ = next(r for r in TEXT_ROWS if r[0] == row)
+    text = config_text(copy.deepcopy(SMALL_CONFIG))
+    lines = text.splitlines()
+    numbers = {
+        "first": lines.index("studies:") + 1,
+        "last": len(lines) + 1,
+        "seed_line": next(i for i, line in enumerate(lines, 1) if "seed: 0" in line),
+    }
+    numbers["after_seed"] = numbers["seed_line"] + 1  # where the parser notices
+    return change(text), numbers
+
+
+def expected_text_line(row: str, path: str) -> str:
+    _, numbers = broken_text(row)
+    message = next(r[2] for r in TEXT_ROWS if r[0] == row)
+    return "servematrix: " + message.format(path=path, **numbers)
+
+
+def check(path: Path, capsys) -> tuple[int, list[str]]:
+    code = cli.main(["check", str(path)])
+    return code, capsys.readouterr().err.splitlines()
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(("row", "change", "message"), ROWS, ids=[r[0] for r in ROWS])
+def test_check_refuses_in_one_line(in_tmp, capsys, row, change, message):
+    cfg = copy.deepcopy(SMALL_CONFIG)
+    change(cfg)
+    (in_tmp / "c.yaml").write_text(config_text(cfg))
+    assert check(Path("c.yaml"), capsys) == (1, [f"servematrix: {message}"])
+    assert not (in_tmp / "results").exists()
+
+
+@pytest.mark.parametrize("row", [r[0] for r in TEXT_ROWS])
+def test_check_locates_yaml_errors_by_line(in_tmp, capsys, row):
+    text, _ = broken_text(row)
+    (in_tmp / "c.yaml").write_text(text)
+    assert check(Path("c.yaml"), capsys) == (1, [expected_text_line(row, "c.yaml")])
+    assert not (in_tmp / "results").exists()
+
+
+def test_the_node_size_is_configurable(in_tmp, capsys):
+    cfg = copy.deepcopy(SMALL_CONFIG)
+    _pins([[12]])(cfg)
+    cfg["node"] = {"gpus": 16}
+    (in_tmp / "c.yaml").write_text(config_text(cfg))
+    assert cli.main(["check", "c.yaml"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "GPUs pinned: 0, 4, 12 (of 16 on the node)"
+
+
+def test_check_lists_the_gpus_a_config_pins(in_tmp, capsys):
+    (in_tmp / "c.yaml").write_text(config_text(copy.deepcopy(SMALL_CONFIG)))
+    assert cli.main(["check", "c.yaml"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "GPUs pinned: 0, 4 (of 8 on the node)"
+
+
+@pytest.mark.parametrize(
+    ("backend", "fits"), [("simulator", 883_011), ("emulator", 79_512), ("vllm", 79_512)]
+)
+def test_a_cell_just_under_the_ceiling_is_accepted(backend, fits):
+    """The simulator replays lengths; the backends that send prompts hold their token ids."""
+    cfg = copy.deepcopy(SMALL_CONFIG)
+    cfg["backend"] = backend
+    cfg["defaults"]["num_prompts"] = fits - 1  # plus the one warm-up request
+    config.load(cfg)
+    cfg["defaults"]["num_prompts"] = fits
+    with pytest.raises(config.ConfigError, match=f"at most {fits:,} requests"):
+        config.load(cfg)
+
+
+def test_a_cell_of_one_huge_request_names_the_input_length():
+    cfg = copy.deepcopy(SMALL_CONFIG)
+    cfg["backend"] = "emulator"
+    cfg["defaults"]["max_model_len"] = 10**9
+    cfg["studies"]["sizes"]["input_len"] = [10**8]
+    with pytest.raises(config.ConfigError) as caught:
+        config.load(cfg)
+    assert caught.value.key_path == "studies.sizes.input_len"
+
+
+def test_a_model_the_engine_cannot_start_is_refused_before_its_job():
+    """vLLM's own start-up refusals, on the backends whose server is the engine model."""
+    cfg = copy.deepcopy(SMALL_CONFIG)
+    cfg["defaults"]["max_model_len"] = 2_000_000
+    cfg["studies"]["sizes"]["input_len"] = [1_000_000]
+    with pytest.raises(config.ConfigError) as caught:
+        config.load(cfg)
+    assert str(caught.value).startswith(
+        "config error at studies.disagg.models[0]: Qwen2.5-7B-Instruct-GPTQ-Int4 (gptq-int4) on "
+        "A100-SXM4-80GB at TP 1: no available memory for the cache blocks"
+    )
+    cfg = copy.deepcopy(SMALL_CONFIG)
+    cfg["defaults"]["max_num_batched_tokens"] = 100
+    with pytest.raises(config.ConfigError) as caught:
+        config.load(cfg)
+    assert caught.value.key_path == "defaults.max_num_batched_tokens"
+
+
+def test_metrics_refuses_a_negative_slo(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "servematrix.cli", "metrics", "x.parquet", "--slo", "ttft=-5"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == [
+        "servematrix metrics: error: argument --slo: ttft=-5: an SLO must be a positive number "
+        "of ms"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- any model: shipped name, local config.json, Hugging Face id --------------------------------
+
+LLAMA_1B = ROOT / "config" / "examples" / "my-model" / "config.json"
+
+
+def with_architecture(tmp_path: Path, value: str) -> Path:
+    cfg = copy.deepcopy(SMALL_CONFIG)
+    cfg["models"][MODEL]["architecture"] = value
+    path = tmp_path / "c.yaml"
+    path.write_text(config_text(cfg))
+    return path
+
+
+def test_a_local_config_json_is_simulated(tmp_path):
+    """The local-path route for real: check, then one cell through the simulator."""
+    from servematrix.cell import run_cell
+    from servematrix.trace import read
+
+    cfg = config.load_file(with_architecture(tmp_path, str(LLAMA_1B)))
+    cell = next(c for c in cfg.all_cells() if c.model.name == MODEL)
+    run_cell(cell, tmp_path / "t.parquet")
+    assert read(tmp_path / "t.parquet").num_rows == 21
+
+
+def test_a_model_directory_is_accepted(tmp_path):
+    config.load_file(with_architecture(tmp_path, str(LLAMA_1B.parent)))
+
+
+@pytest.mark.parametrize(
+    ("extra", "feature"),
+    [
+        ({"num_local_experts": 8}, "mixture of experts (num_local_experts: 8)"),
+        ({"kv_lora_rank": 512}, "multi-head latent attention (MLA) (kv_lora_rank: 512)"),
+        ({"sliding_window": 4096}, "sliding-window attention (sliding_window: 4096)"),
+        ({"vision_config": {"depth": 32}}, "a vision tower (multimodal model) (vision_config:"),
+        (
+            {"architectures": ["BertModel"]},
+            "not a causal language model (architectures: BertModel)",
+        ),
+    ],
+)
+def test_an_unsupported_feature_is_named(tmp_path, capsys, extra, feature):
+    arch = {**json.loads(LLAMA_1B.read_text()), **extra}
+    (tmp_path / "arch.json").write_text(json.dumps(arch))
+    code, err = check(with_architecture(tmp_path, str(tmp_path / "arch.json")), capsys)
+    assert code == 1
+    assert err[0].startswith(
+        f"servematrix: config error at models.{MODEL}.architecture: {tmp_path / 'arch.json'}: "
+        f"servematrix does not model {feature}"
+    )
+    assert len(err) == 1
+
+
+def test_a_missing_local_file_is_named(tmp_path, capsys):
+    code, err = check(with_architecture(tmp_path, "nowhere/config.json"), capsys)
+    assert (code, err) == (
+        1,
+        [
+            f"servematrix: config error at models.{MODEL}.architecture: no such file "
+            "'nowhere/config.json' (architecture 'nowhere/config.json')"
+        ],
+    )
+
+
+def _check_in_subprocess(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "servematrix.cli", "check", str(path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
+
+
+def test_a_hub_id_offline_and_not_cached_is_one_line(tmp_path):
+    path = with_architecture(tmp_path, "meta-llama/Llama-3.2-1B-Instruct")
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    run = _check_in_subprocess(path, env)
+    assert run.returncode == 1
+    assert run.stderr.splitlines() == [
+        f"servematrix: config error at models.{MODEL}.architecture: Hugging Face model "
+        "'meta-llama/Llama-3.2-1B-Instruct' has no config.json in the Hugging Face cache and "
+        "HF_HUB_OFFLINE is set: fetch it once online, or give a path to a local config.json"
+    ]
+
+
+def test_a_hub_id_in_the_cache_is_read_from_it(tmp_path):
+    """A pre-populated Hugging Face cache (the layout hf_hub_download writes); no network."""
+    snapshot = tmp_path / "hub" / "models--acme--tiny-llama" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(LLAMA_1B.read_text())
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    path = with_architecture(tmp_path, "acme/tiny-llama")
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    run = _check_in_subprocess(path, env)
+    assert run.returncode == 0, run.stderr
+    assert "8 distinct cells on backend simulator" in run.stdout
+
+
+def test_the_worked_example_of_the_readme_checks(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["check", "config/examples/my-model.yaml"]) == 0
+    assert "my-model: 2 cells (v1, x = qps)" in capsys.readouterr().out
+    readme = (ROOT / "README.md").read_text()
+    assert "servematrix check config/examples/my-model.yaml" in readme
+    assert "snakemake --cores 1 all --configfile config/examples/my-model.yaml" in readme
