@@ -215,7 +215,8 @@ def test_zero_and_missing_values_do_not_divide_by_zero() -> None:
     ]
     result = findings(rows)
     text = to_markdown(result)
-    assert "0.0 ms, 0.0 ms below" in text
+    assert "a and b have the same lowest mean TTFT (0.0 ms)" in text
+    assert "below" not in text
     assert "b at QPS 4 completed only 0 of 200 requests." in text
     assert "nan" not in text.lower()
 
@@ -269,3 +270,43 @@ def test_html_is_escaped_and_self_contained() -> None:
     assert "R&amp;D &lt;study&gt;" in page
     assert "a&amp;b" in page
     assert "http" not in page
+
+
+def test_a_tie_is_never_a_win() -> None:
+    """0.02 ms apart: the sentences say "the same", never "0.0 ms (0.0%) below"."""
+    rows = [
+        cell("m", "nondisagg", 2, 100.0),
+        cell("m", "nondisagg", 4, 100.0),
+        cell("m", "chunked", 2, 100.02),
+        cell("m", "chunked", 4, 100.0),
+    ]
+    result = findings(rows)
+    text = to_markdown(result)
+    assert "0.0 ms (0.0%)" not in text and "0.0 ms to 0.0 ms" not in text
+    winners = section(result, "Lowest latency at each point")
+    assert winners[0] == (
+        "At QPS 2, nondisagg and chunked have the same lowest mean TTFT (100.0 ms); "
+        "chunked and nondisagg have the same lowest mean TPOT (10.0 ms)."
+    )
+    ttft = section(result, "Plain vs chunked prefill")[0]
+    assert ttft == (
+        "Mean TTFT, chunked vs nondisagg: the same at QPS 2, the same at QPS 4; "
+        "the two are the same at QPS 2 and at QPS 4."
+    )
+
+
+def test_a_gap_opening_from_a_tie() -> None:
+    rows = [
+        cell("m", "nondisagg", 2, 100.0),
+        cell("m", "nondisagg", 4, 100.0),
+        cell("m", "chunked", 2, 100.04),
+        cell("m", "chunked", 4, 150.0),
+    ]
+    ttft = section(findings(rows), "Plain vs chunked prefill")[0]
+    assert "the gap opens from none at QPS 2 to 50.0 ms at QPS 4" in ttft
+
+
+def test_tied_models_win_no_point() -> None:
+    rows = [cell(name, "single", q, 100.0 + q) for name in ("a", "b") for q in (2, 4)]
+    sentences = section(findings(rows), "Model comparison")
+    assert sentences[0] == "No model has a lower mean TTFT than the others (2 points compared)."

@@ -17,6 +17,8 @@ from servematrix import metrics, trace
 from servematrix.files import atomic_path
 
 SORT_KEYS = ("model", "mode", "input_len", "qps")
+CSV_DECIMALS = 3
+"""Decimals of every float in the CSV (µs for milliseconds); the Parquet keeps full precision."""
 
 # (column, header) of the HTML table: what a reader compares across cells.
 HTML_COLUMNS = (
@@ -105,10 +107,11 @@ def write_summary(
     Everything is written to temporary files first and renamed only when all three succeeded.
     """
     page = render_html(df, title)
+    rounded = df.with_columns(pl.selectors.float().round(CSV_DECIMALS))
     _write_all(
         [
             (Path(parquet_path), df.write_parquet),
-            (Path(csv_path), df.write_csv),
+            (Path(csv_path), rounded.write_csv),
             (Path(html_path), lambda tmp: tmp.write_text(page, encoding="utf-8")),
         ]
     )

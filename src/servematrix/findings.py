@@ -25,6 +25,17 @@ STEADY_GAP = 0.10
 """A gap whose size changes by at most this fraction "stays about the same"."""
 STABILITY_TIE = 0.01
 """Models whose relative growth differs by at most this much are equally stable."""
+SAME_MS = 0.05
+SAME_FRACTION = 0.001
+"""Two values closer than SAME_MS or than SAME_FRACTION of the larger one are "the same": a
+difference the sentences' precision (0.1 ms, 0.1%) would print as zero is never a win, a loss
+or a gap that grows."""
+
+
+def same(a: float, b: float) -> bool:
+    diff = abs(a - b)
+    return diff < SAME_MS or diff < SAME_FRACTION * max(abs(a), abs(b))
+
 
 REQUIRED = (
     "model",
@@ -112,7 +123,9 @@ def fmt_ms(value: float) -> str:
 
 
 def fmt_change(new: float, old: float) -> str:
-    """``+12.0 ms (+15.0%)``; the percentage is left out when ``old`` is zero."""
+    """``+12.0 ms (+15.0%)``, or ``the same``; the percentage is left out when ``old`` is 0."""
+    if same(new, old):
+        return "the same"
     text = f"{new - old:+,.1f} ms"
     return f"{text} ({(new - old) / old:+.1%})" if old else text
 
@@ -146,6 +159,13 @@ def winner_sentence(group: Group, xv: float) -> str | None:
         if len(ranking) < 2:
             continue
         (best, name), (second, runner_up) = ranking[0], ranking[1]
+        if same(best, second):
+            tied = [n for v, n in ranking if same(best, v)]
+            parts.append(
+                f"{', '.join(tied[:-1])} and {tied[-1]} have the same lowest {metric.label} "
+                f"({fmt_ms(best)})"
+            )
+            continue
         margin = fmt_ms(second - best) + (f" ({(second - best) / second:.1%})" if second else "")
         parts.append(
             f"the lowest {metric.label} is {name}'s {fmt_ms(best)}, {margin} below "
@@ -157,9 +177,17 @@ def winner_sentence(group: Group, xv: float) -> str | None:
 
 
 def gap_trend(gaps: list[tuple[float, float]], x: str) -> str:
-    """How the gap b − a moves from the lowest to the highest x."""
+    """How the gap b − a moves from the lowest to the highest x (0.0 where b and a are the
+    same, see ``same``)."""
     (x0, first), (x1, last) = gaps[0], gaps[-1]
-    span = f"from {fmt_ms(first)} at {fmt_x(x, x0)} to {fmt_ms(last)} at {fmt_x(x, x1)}"
+    at0, at1 = fmt_x(x, x0), fmt_x(x, x1)
+    if first == 0 and last == 0:
+        return f"the two are the same at {at0} and at {at1}"
+    if first == 0:
+        return f"the gap opens from none at {at0} to {fmt_ms(last)} at {at1}"
+    if last == 0:
+        return f"the gap closes from {fmt_ms(first)} at {at0} to none at {at1}"
+    span = f"from {fmt_ms(first)} at {at0} to {fmt_ms(last)} at {at1}"
     if first * last < 0:
         return f"the gap changes sign {span}"
     if abs(last - first) <= STEADY_GAP * max(abs(first), abs(last)):
@@ -177,7 +205,8 @@ def pair_sentence(
     points = ", ".join(f"{fmt_change(b[xv], a[xv])} at {fmt_x(x, xv)}" for xv in common)
     sentence = f"{metric.label[0].upper()}{metric.label[1:]}{scope}, {name_b} vs {name_a}: {points}"
     if len(common) > 1:
-        sentence += "; " + gap_trend([(xv, b[xv] - a[xv]) for xv in common], x)
+        gaps = [(xv, 0.0 if same(b[xv], a[xv]) else b[xv] - a[xv]) for xv in common]
+        sentence += "; " + gap_trend(gaps, x)
     return sentence + "."
 
 
@@ -203,7 +232,7 @@ def best_of(group: Group, names: list[str], metric: Metric) -> Curve:
 def _wins(a: Curve, b: Curve) -> tuple[list[float], int]:
     """The x values at which curve ``b`` is lower than curve ``a``, and how many both have."""
     common = sorted(set(a) & set(b))
-    return [xv for xv in common if b[xv] < a[xv]], len(common)
+    return [xv for xv in common if b[xv] < a[xv] and not same(b[xv], a[xv])], len(common)
 
 
 TRADE_OFFS = {
@@ -253,13 +282,18 @@ def disaggregation_section(gs: list[Group]) -> Section:
 def fastest_sentence(group: Group, metric: Metric) -> str | None:
     """Which model wins ``metric`` at the most x values."""
     wins: dict[str, list[float]] = {}
+    points = 0
     for xv in group.xs:
         ranking = _ranking(group, metric, xv)
         if len(ranking) >= 2:
-            wins.setdefault(ranking[0][1], []).append(xv)
-    if not wins:
+            points += 1
+            if not same(ranking[0][0], ranking[1][0]):
+                wins.setdefault(ranking[0][1], []).append(xv)
+    if not points:
         return None
-    total = sum(len(v) for v in wins.values())
+    if not wins:
+        return f"No model has a lower {metric.label} than the others ({points} points compared)."
+    total = points
     best = max(wins, key=lambda name: len(wins[name]))
     where = ", ".join(fmt_x(group.x, xv) for xv in wins[best])
     return f"{best} has the lowest {metric.label} at {len(wins[best])} of {total} points ({where})."
