@@ -188,7 +188,7 @@ def test_lookup_buffer_refuses_inserts_while_over_capacity():
     assert buffer.try_insert(10.0)
 
 
-def test_eager_and_pcie_allreduce_overheads_are_monotone():
+def test_pcie_allreduce_latency_grows_with_tp():
     from servematrix.engine.roofline import allreduce_latency_ms
 
     a10 = gpu_spec("A10-24GB")
@@ -198,18 +198,42 @@ def test_eager_and_pcie_allreduce_overheads_are_monotone():
         < allreduce_latency_ms(a10, 2)
         < allreduce_latency_ms(a10, 4)
     )
-    arch = load_architecture("qwen2.5-7b")
+
+
+def test_eager_roofline_decode_overlaps_launches_with_the_gpu_step():
+    """Eager launches overlap the GPU: a large model's long decode step does not change, and no
+    eager decode step is shorter than its launches or than the step with CUDA graphs."""
+    from servematrix.engine.roofline import eager_launch_ms
+
+    a100 = gpu_spec("A100-SXM4-80GB")
     decode = StepBatch((), (1024,) * 8)
-    for tp in (1, 2, 4):
-        graph = RooflineStepTime(arch, a10, tp, "gptq-int4").step_ms(decode)
-        eager = RooflineStepTime(arch, a10, tp, "gptq-int4", enforce_eager=True).step_ms(decode)
-        assert eager > graph
-    eager_by_tp = [
-        RooflineStepTime(arch, a10, tp, "gptq-int4", enforce_eager=True).step_ms(decode)
-        - RooflineStepTime(arch, a10, tp, "gptq-int4").step_ms(decode)
-        for tp in (1, 2, 4)
-    ]
-    assert eager_by_tp[0] < eager_by_tp[1] == pytest.approx(eager_by_tp[2])
+    large = load_architecture("qwen2.5-72b")
+    graph = RooflineStepTime(large, a100, 2).step_ms(decode)
+    eager = RooflineStepTime(large, a100, 2, enforce_eager=True).step_ms(decode)
+    assert eager == pytest.approx(graph) and graph > eager_launch_ms(large, 2)
+    small = load_architecture("qwen2.5-0.5b")
+    for tp in (1, 2):
+        graph = RooflineStepTime(small, a100, tp).step_ms(StepBatch((), (16,)))
+        eager = RooflineStepTime(small, a100, tp, enforce_eager=True).step_ms(StepBatch((), (16,)))
+        assert eager >= max(graph, eager_launch_ms(small, tp)) - 1e-9
+    # Launching with TP also issues every all-reduce from Python.
+    assert eager_launch_ms(small, 1) < eager_launch_ms(small, 2) == eager_launch_ms(small, 4)
+
+
+def test_eager_on_a_measured_table_takes_the_longer_of_table_step_and_launches():
+    from servematrix.engine.steptime import WithDecodeOverhead
+
+    class Fixed:
+        def __init__(self, ms: float):
+            self.ms = ms
+
+        def step_ms(self, batch: StepBatch) -> float:
+            return self.ms
+
+    decode, prefill = StepBatch((), (100,)), StepBatch(((512, 0),), ())
+    assert WithDecodeOverhead(Fixed(2.0), 5.0, 0.0).step_ms(decode) == 5.0  # launch-bound
+    assert WithDecodeOverhead(Fixed(20.0), 5.0, 0.0).step_ms(decode) == 20.0  # GPU-bound
+    assert WithDecodeOverhead(Fixed(2.0), 5.0, 1.0).step_ms(prefill) == 3.0  # not a decode
 
 
 def test_stragglers_lengthen_the_tail_only_with_jitter():
@@ -221,3 +245,13 @@ def test_stragglers_lengthen_the_tail_only_with_jitter():
     tail = np.array(Jitter(0.03, 1, straggler_probability=0.01).peek(4000))
     assert np.percentile(tail, 99.9) > 1.5 > np.percentile(plain, 99.9)
     assert Jitter(0.0, 1, straggler_probability=0.5).peek(3) == [1.0, 1.0, 1.0]
+
+
+def test_v0_link_presets_say_they_are_extrapolated_from_a10_hosts():
+    from servematrix.engine.transfer import kv_link
+
+    for protocol in ("rdma", "tcp"):
+        assert "extrapolated from A10 hosts" in kv_link("v0", protocol, 2, None).provenance
+        assert "not fitted" in kv_link("v1", protocol, 2, None).provenance
+    overridden = kv_link("v0", "rdma", 2, {"nic_gb_s": 12.5})
+    assert overridden.provenance.startswith("engine.kv_link overrides nic_gb_s; else extrapolated")

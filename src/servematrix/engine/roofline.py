@@ -139,13 +139,15 @@ def allreduce_latency_ms(gpu: GpuSpec, tp: int) -> float:
     return ALLREDUCE_LATENCY_PCIE_BASE_MS + ALLREDUCE_LATENCY_PCIE_HOP_MS * 2 * (tp - 1)
 
 
-def eager_overhead_ms(arch: Architecture, tp: int) -> float:
-    """What a decode step loses without CUDA graphs: per-layer launches and, with TP, the host
-    side of every all-reduce (added to measured tables, which were taken with CUDA graphs)."""
-    extra = arch.num_layers * (LAYER_OVERHEAD_EAGER_MS - LAYER_OVERHEAD_GRAPH_MS)
+def eager_launch_ms(arch: Architecture, tp: int) -> float:
+    """Host time to launch one decode step's kernels without CUDA graphs: the per-step fixed cost,
+    per-layer launches and, with TP, issuing every all-reduce from Python. Launches overlap the
+    GPU's execution, so an eager decode step lasts the longer of this and the GPU's work
+    (docs/engine-model.md, "enforce_eager")."""
+    launch = STEP_OVERHEAD_MS + arch.num_layers * LAYER_OVERHEAD_EAGER_MS
     if tp > 1:
-        extra += 2 * arch.num_layers * EAGER_ALLREDUCE_LAUNCH_MS
-    return extra
+        launch += 2 * arch.num_layers * EAGER_ALLREDUCE_LAUNCH_MS
+    return launch
 
 
 def weight_bytes(arch: Architecture, quantization: str) -> float:
@@ -222,9 +224,8 @@ class RooflineStepTime:
             + layers * LAYER_OVERHEAD_EAGER_MS
             + (2 * layers * EAGER_ALLREDUCE_LAUNCH_MS if tp > 1 else 0.0)
         )
-        self._graph_fixed_ms = (
-            self._eager_fixed_ms if enforce_eager else step_fixed + layers * LAYER_OVERHEAD_GRAPH_MS
-        )
+        self._graph_step_fixed_ms = step_fixed + layers * LAYER_OVERHEAD_GRAPH_MS
+        self._graph_fixed_ms = self._eager_fixed_ms if enforce_eager else self._graph_step_fixed_ms
 
     def step_ms(self, batch: StepBatch) -> float:
         prefill_tokens = 0
@@ -267,14 +268,17 @@ class RooflineStepTime:
         memory_ms = self._weights_ms + self._kv_ms_per_token * (
             prefill_cached_tokens + decode_context_sum + tokens
         )
-        if num_prefills == 0 and num_decodes <= CUDA_GRAPH_MAX_BATCH:
-            fixed = self._graph_fixed_ms
-        else:
-            fixed = self._eager_fixed_ms
-        return (
+        graphed = num_prefills == 0 and num_decodes <= CUDA_GRAPH_MAX_BATCH
+        fixed = self._graph_fixed_ms if graphed else self._eager_fixed_ms
+        ms = (
             (compute_ms if compute_ms > memory_ms else memory_ms)
             + self._allreduce_fixed_ms
             + self._allreduce_ms_per_token * tokens
             + fixed
             + PER_SEQ_OVERHEAD_MS * seqs
         )
+        if graphed and self.enforce_eager:
+            # Eager decode: the launches overlap the GPU's work (see eager_launch_ms).
+            gpu_ms = ms - self._eager_fixed_ms
+            ms = max(gpu_ms + self._graph_step_fixed_ms, self._eager_fixed_ms)
+        return ms

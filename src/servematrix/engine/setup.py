@@ -16,7 +16,7 @@ from servematrix.engine.kvcache import BlockPool, KvMemoryPlan, plan_kv_memory
 from servematrix.engine.roofline import (
     V0_TP_STEP_BROADCAST_MS,
     RooflineStepTime,
-    eager_overhead_ms,
+    eager_launch_ms,
     weight_bytes,
 )
 from servematrix.engine.scheduler import Scheduler, SchedulerConfig, scheduler_config
@@ -142,12 +142,12 @@ def _gpu_step_time_model(
     model, label = select_step_time_model(arch, gpu, tp, quantization, roofline=roofline)
     if isinstance(model, RooflineStepTime):
         return model, label
-    decode_extra = eager_overhead_ms(arch, tp) if enforce_eager else 0.0
+    eager = eager_launch_ms(arch, tp) if enforce_eager else 0.0
     any_step = V0_TP_STEP_BROADCAST_MS if v0 and tp > 1 else 0.0
-    if decode_extra or any_step:
+    if eager or any_step:
         extras = ["enforce_eager"] if enforce_eager else []
         extras += ["V0 TP broadcast"] if any_step else []
-        return WithDecodeOverhead(model, decode_extra, any_step), f"{label} + {', '.join(extras)}"
+        return WithDecodeOverhead(model, eager, any_step), f"{label} + {', '.join(extras)}"
     return model, label
 
 

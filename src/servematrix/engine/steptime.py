@@ -33,16 +33,22 @@ class StepTimeModel(Protocol):
 
 
 class WithDecodeOverhead:
-    """A step-time model plus a fixed cost on pure-decode steps: ``--enforce-eager`` (or V0's
-    per-step TP broadcast) on top of a measured table taken with CUDA graphs."""
+    """A measured table taken with CUDA graphs, run with ``--enforce-eager`` and/or V0's per-step
+    TP broadcast.
 
-    def __init__(self, model: StepTimeModel, decode_extra_ms: float, any_step_extra_ms: float):
+    Eager decode: the host launches every kernel one by one, but launches are asynchronous, so
+    they overlap the GPU's work. A pure-decode step takes ``max(table step, eager_launch_ms)``:
+    launch-bound (longer) for a small model whose GPU step is shorter than its launches, as
+    long as the table says for a large one. ``any_step_extra_ms`` is added to every step.
+    """
+
+    def __init__(self, model: StepTimeModel, eager_launch_ms: float, any_step_extra_ms: float):
         self.model = model
-        self.decode_extra_ms = decode_extra_ms
+        self.eager_launch_ms = eager_launch_ms
         self.any_step_extra_ms = any_step_extra_ms
 
     def step_ms(self, batch: StepBatch) -> float:
-        extra = self.any_step_extra_ms
-        if not batch.prefill_chunks:
-            extra += self.decode_extra_ms
-        return self.model.step_ms(batch) + extra
+        ms = self.model.step_ms(batch)
+        if not batch.prefill_chunks and ms < self.eager_launch_ms:
+            ms = self.eager_launch_ms
+        return ms + self.any_step_extra_ms

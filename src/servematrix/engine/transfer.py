@@ -40,19 +40,30 @@ class LinkPreset:
     rank_cpu_gb_s: float | None = None
     rank_cpu_fast_gb_s: float | None = None
     rank_cpu_fast_mb: float = 0.0
+    provenance: str = ""
 
+
+A10_EXTRAPOLATED = (
+    "extrapolated from A10 hosts: fitted on Mooncake's vLLM 0.6.2 tables (A10-24GB nodes, "
+    "Alibaba Cloud eRDMA / TCP on a ~25 Gbit/s VPC network); the CPU copy chain dominates and "
+    "was never measured on other GPUs or hosts, so on any other hardware this is an extrapolation"
+)
+"""Provenance of the v0 presets (written into the trace metadata with the link)."""
+DATASHEET_V1 = (
+    "from datasheets and Mooncake's README (GPU-direct; not fitted on any measured vLLM run)"
+)
 
 LINK_PRESETS: dict[tuple[str, str], LinkPreset] = {
     # V1 in-tree MooncakeConnector: GPU-direct RDMA writes by the Transfer Engine. Mooncake
     # README: 87 GB/s over 4×200 Gb/s RoCE and 190 GB/s over 8×400 Gb/s, i.e. ~22-24 GB/s per
     # NIC (87-95 % of line rate); llm-d-inference-sim's table: RoCE 200G ≈ 20 GB/s. One NIC per
     # GPU (DGX/HGX). Setup 0.5-2 ms (llm-d table).
-    ("v1", "rdma"): LinkPreset("v1-rdma", 20.0, 1.0),
+    ("v1", "rdma"): LinkPreset("v1-rdma", 20.0, 1.0, provenance=DATASHEET_V1),
     # V1 over Mooncake's TCP transport. Mooncake's EFA doc measured iperf3 at 9.5 GB/s (8
     # streams) but Mooncake's own TCP transport at 0.11 GB/s ("unoptimized for throughput"); the
     # README's "RDMA 2.4× faster than TCP" implies ~9 GB/s per 200 Gb/s NIC. Pessimistic preset:
     # 1 GB/s per NIC, setup 5 ms (llm-d table: TCP 2-10 ms). Override with engine.kv_link.
-    ("v1", "tcp"): LinkPreset("v1-tcp", 1.0, 5.0),
+    ("v1", "tcp"): LinkPreset("v1-tcp", 1.0, 5.0, provenance=DATASHEET_V1),
     # V0 MooncakePipe through CPU buffers (module docstring). Wire: Mooncake's A10 nodes used
     # Alibaba Cloud eRDMA ("device_name": "erdma_0") on a VPC network of ~25 Gbit/s per node
     # (≈3 GB/s, approximate); Mooncake published "1 NIC" and "2 NICs" rows. The CPU chain per
@@ -67,6 +78,7 @@ LINK_PRESETS: dict[tuple[str, str], LinkPreset] = {
         rank_cpu_gb_s=0.65,
         rank_cpu_fast_gb_s=2.4,
         rank_cpu_fast_mb=16.0,
+        provenance=A10_EXTRAPOLATED,
     ),
     # Mooncake TE's TCP transport over the same ~25 Gbit/s VPC network as eRDMA: the wire is
     # the same, kernel TCP reaches ~80-85 % of it. 2.5 GB/s is the rate the two saturated,
@@ -82,6 +94,7 @@ LINK_PRESETS: dict[tuple[str, str], LinkPreset] = {
         rank_cpu_gb_s=0.65,
         rank_cpu_fast_gb_s=2.4,
         rank_cpu_fast_mb=16.0,
+        provenance=A10_EXTRAPOLATED,
     ),
 }
 
@@ -120,6 +133,7 @@ class KvLink:
     rank_cpu_fast_gb_s: float | None
     rank_cpu_fast_mb: float
     tp: int
+    provenance: str = ""
 
     @property
     def wire_bytes_per_s(self) -> float:
@@ -173,7 +187,10 @@ def kv_link(recipe: str, protocol: str, tp: int, overrides: Mapping[str, Any] | 
             )
         values[key] = value
     name = preset.name + (" (overridden)" if overrides else "")
-    return KvLink(name, tp=tp, **values)
+    provenance = preset.provenance
+    if overrides:
+        provenance = f"engine.kv_link overrides {', '.join(sorted(overrides))}; else {provenance}"
+    return KvLink(name, tp=tp, provenance=provenance, **values)
 
 
 class LookupBuffer:
