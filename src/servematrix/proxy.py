@@ -398,6 +398,7 @@ class DisaggV1Proxy(Proxy):
                 json.dumps(prefill_body).encode(),
             )
         )
+        await asyncio.sleep(0)  # the prefill goes out first, as from vLLM's proxy
         decode_body = {
             **data,
             "kv_transfer_params": {
