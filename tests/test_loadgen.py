@@ -64,6 +64,8 @@ def test_settings_check_concurrency_and_timeouts():
         ClientSettings("http://h:8000", "m", 2, request_timeout_s=0)
     with pytest.raises(LoadgenError, match="model name is empty"):
         ClientSettings("http://h:8000", "", 2)
+    with pytest.raises(LoadgenError, match="client must be one of aiohttp, openai, got 'curl'"):
+        ClientSettings("http://h:8000", "m", 2, client="curl")
 
 
 def test_body_is_the_streaming_completion_vllm_expects():

@@ -161,6 +161,23 @@ def test_qps_inf_with_a_concurrency_cap_and_injected_failures():
     assert all(sum(r.chunk_tokens) == 4 and len(r.chunk_s) == len(r.chunk_tokens) for r in ok)
 
 
+def test_the_openai_client_sends_the_same_requests():
+    """``client="openai"`` (AsyncOpenAI) against the same server: same rows, same usage, and
+    the server saw the same bodies."""
+    w = workload(num_prompts=8, max_concurrency=2)
+    with emulator("--fail-fraction", "0.3") as url:
+        ours = run(url, w)
+        sdk = run(url, w, client="openai")
+    for result in (ours, sdk):
+        assert [r.request_id for r in result.records] == list(range(9))
+    assert sdk.client == "openai" and sdk.metadata()["client"]["client"] == "openai"
+    for a, b in zip(ours.records, sdk.records, strict=True):
+        assert (a.prompt_tokens, a.request_input_len) == (b.prompt_tokens, b.request_input_len)
+    failed = [r for r in sdk.records if not r.success]
+    assert all(r.error.startswith("HTTP 500: ") for r in failed)
+    assert all(r.completion_tokens == 5 for r in sdk.records if r.success)
+
+
 def test_a_server_that_dies_mid_run_fails_the_rest_and_the_run_ends():
     """Constant 4 QPS: each request is done before the next, so the first 10 (the warm-up and
     9 measured) succeed and the 11th kills the server; every later one is a refused row."""

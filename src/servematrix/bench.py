@@ -71,6 +71,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     bench.add_argument("--request-timeout-s", type=float, default=600.0)
     bench.add_argument("--ready-timeout-s", type=float, default=600.0)
+    bench.add_argument(
+        "--client", choices=("aiohttp", "openai"), default="aiohttp", help="see loadgen.CLIENTS"
+    )
     bench.add_argument("--vocab-size", type=int, help="random token ids are below this")
     bench.add_argument("--tokenizer", help="tokenizer.json or model directory for text prompts")
     bench.set_defaults(run=run)
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout_s,
             ready_timeout_s=args.ready_timeout_s,
             ignore_eos=args.ignore_eos,
+            client=args.client,
         )
         vocab_size, vocab_source = vocab_size_for(args.model, args.vocab_size)
         counter = None

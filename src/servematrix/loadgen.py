@@ -3,10 +3,12 @@
 Semantics follow vLLM's benchmark client (reference/vllm-mooncake-spec.md §3.1) where they are
 defined, and the design's trace schema everywhere:
 
-- One ``openai.AsyncOpenAI`` over one shared HTTP client whose pool holds every request that can
-  be in flight at once; no retries. Streaming ``POST /v1/completions`` with ``max_tokens``,
-  ``temperature 0``, ``ignore_eos`` and ``stream_options`` asking for (continuous) usage, so the
-  server says how many tokens each chunk carries.
+- One shared aiohttp session whose pool holds every request that can be in flight at once; no
+  retries. Streaming ``POST /v1/completions`` with ``max_tokens``, ``temperature 0``,
+  ``ignore_eos`` and ``stream_options`` asking for (continuous) usage, so the server says how
+  many tokens each chunk carries; header ``X-Request-Id: <run prefix>-<request_id>``.
+  ``client="openai"`` sends the same bytes through ``openai.AsyncOpenAI`` instead; it costs
+  more per request (see ``CLIENTS``), so it is not the default.
 - The JSON bodies are encoded before the clock starts: at send time nothing on the event loop
   grows with the prompt (a 32k-token prompt is ~200 kB of JSON, milliseconds to encode).
 - t = 0 is one ``time.monotonic()`` reading (kept in the trace metadata, so a server's own
@@ -45,6 +47,7 @@ from importlib import metadata as importlib_metadata
 from typing import TYPE_CHECKING, Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
+import aiohttp
 import httpx2
 import openai
 from openai import AsyncOpenAI, AsyncStream
@@ -56,7 +59,7 @@ if TYPE_CHECKING:
     from servematrix.workload import RequestSpec
 
 log = logging.getLogger(__name__)
-# httpx2 logs every request at INFO: at 500 requests/s that is measurable work on the loop.
+# httpx2 (under the openai client) logs every request at INFO: measurable work at 500 req/s.
 logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 # Readiness probing: how often, and how long one probe may take (a socket that accepts but
@@ -65,6 +68,16 @@ READY_POLL_S = 0.5
 READY_PROBE_TIMEOUT_S = 5.0
 # Sends wake up this early and yield to the loop until their instant (see `_sleep_until`).
 SPIN_S = 0.0011
+# How requests go out (the response is read the same way by both, `StreamParser`):
+# "aiohttp": one aiohttp session, the precomputed body and headers posted as they are;
+# "openai": the same through ``openai.AsyncOpenAI`` (over openai's own aiohttp transport),
+# which builds request objects, parses URLs and copies options on every request: about 0.5 ms
+# more client CPU per request, and at 100 QPS on a loaded 2-core machine ten times the send
+# lag (benchmarks/loadgen_pacing.py). Kept to cross-check the default against the SDK.
+CLIENTS = ("aiohttp", "openai")
+# Response bytes are handed over as they arrive; a large buffer keeps long streams from
+# stalling on it (vLLM's client with aiohttp's 64 KiB default: vllm-project/vllm#39963).
+READ_BUFSIZE = 1 << 20
 
 
 class LoadgenError(RuntimeError):
@@ -99,9 +112,12 @@ class ClientSettings:
     request_timeout_s: float = 600.0
     ready_timeout_s: float = 600.0
     ignore_eos: bool = True
+    client: str = "aiohttp"  # or "openai": see CLIENTS
 
     def __post_init__(self) -> None:
         self.base_url = normalize_base_url(self.base_url)
+        if self.client not in CLIENTS:
+            raise LoadgenError(f"client must be one of {', '.join(CLIENTS)}, got {self.client!r}")
         if not self.model:
             raise LoadgenError("model name is empty")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -122,6 +138,7 @@ class RunResult:
     records: list[RequestRecord]  # warm-ups first, then the measured requests; by request_id
     origin_monotonic_s: float  # the time.monotonic() value that is t = 0 of the records
     request_id_prefix: str = ""  # X-Request-Id is f"{request_id_prefix}-{request_id}"
+    client: str = "aiohttp"  # ClientSettings.client
 
     def metadata(self) -> dict[str, Any]:
         """The trace metadata entries that belong to the client."""
@@ -129,9 +146,9 @@ class RunResult:
             "clock": {"origin_monotonic_s": self.origin_monotonic_s},
             "client": {
                 "request_id_prefix": self.request_id_prefix,
-                "openai": openai.__version__,
-                "httpx2": _version("httpx2"),
+                "client": self.client,
                 "aiohttp": _version("aiohttp"),
+                "openai": openai.__version__,
             },
         }
 
@@ -280,29 +297,59 @@ class StreamParser:
             self.completion_tokens = usage["completion_tokens"]
 
 
+class _HTTPStatus(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {' '.join(message.split())[:500]}")
+
+
+def _status_message(status: int, text: str) -> _HTTPStatus:
+    """vLLM's error body (0.33 nested, 0.6 flat) reduced to its message."""
+    try:
+        body = json.loads(text)
+        error = body.get("error", body) if isinstance(body, dict) else body
+        message = error.get("message", text) if isinstance(error, dict) else str(error)
+    except ValueError:
+        message = text
+    return _HTTPStatus(status, str(message) or "(empty body)")
+
+
+class _AiohttpSender:
+    """POST the precomputed body on the run's one aiohttp session; feed the bytes as they come."""
+
+    def __init__(self, session: aiohttp.ClientSession, settings: ClientSettings):
+        self.session = session
+        self.url = f"{settings.base_url}/completions"
+
+    async def __call__(self, body: bytes, headers: dict[str, str], out: StreamParser) -> None:
+        monotonic = time.monotonic
+        feed = out.feed
+        async with self.session.post(self.url, data=body, headers=headers) as response:
+            if response.status != 200:
+                raise _status_message(response.status, await response.text(errors="replace"))
+            async for data in response.content.iter_any():
+                feed(data, monotonic())
+
+
 class _Response(AsyncStream[Completion]):
     """Hands back the raw HTTP response of a streamed request sent through ``AsyncOpenAI``.
 
-    The openai client builds, sends and status-checks the request (a non-200 answer raises
-    ``APIStatusError``), but its own stream turns every chunk into a pydantic object after
-    reading it: ~0.1 ms per chunk, added to every measured token time. We read the bytes.
+    The openai client builds, sends and status-checks the request, but its own stream would
+    turn every chunk into a pydantic object before we could timestamp it: we read the bytes.
     """
 
     def __init__(self, *, response: httpx2.Response, **_: Any) -> None:
         self.response = response
 
 
-async def _stream(
-    client: AsyncOpenAI, body: bytes, headers: dict[str, str], timeout_s: float
-) -> StreamParser:
-    """Send one request now and consume its stream; never raises (errors go into the result)."""
-    out = StreamParser()
-    monotonic = time.monotonic
-    feed = out.feed
-    try:
-        async with asyncio.timeout(timeout_s):
-            out.sent = monotonic()
-            stream = await client.post(
+class _OpenAISender:
+    def __init__(self, client: AsyncOpenAI):
+        self.client = client
+
+    async def __call__(self, body: bytes, headers: dict[str, str], out: StreamParser) -> None:
+        monotonic = time.monotonic
+        feed = out.feed
+        try:
+            stream = await self.client.post(
                 "/completions",
                 cast_to=Completion,
                 content=body,
@@ -310,17 +357,30 @@ async def _stream(
                 stream=True,
                 stream_cls=_Response,
             )
-            response = stream.response
-            try:
-                async for data in response.aiter_raw():
-                    feed(data, monotonic())
-            finally:
-                await response.aclose()
+        except openai.APIStatusError as error:
+            raise _HTTPStatus(error.status_code, _error_message(error)) from None
+        response = stream.response
+        try:
+            async for data in response.aiter_raw():
+                feed(data, monotonic())
+        finally:
+            await response.aclose()
+
+
+async def _stream(
+    send: Any, body: bytes, headers: dict[str, str], timeout_s: float
+) -> StreamParser:
+    """Send one request now and consume its stream; never raises (errors go into the result)."""
+    out = StreamParser()
+    try:
+        async with asyncio.timeout(timeout_s):
+            out.sent = time.monotonic()
+            await send(body, headers, out)
     except TimeoutError:
         out.error = f"timed out after {timeout_s:g} s"
-    except openai.APIStatusError as error:
-        out.error = f"HTTP {error.status_code}: {_error_message(error)}"
-    except (openai.APIConnectionError, httpx2.TransportError) as error:
+    except _HTTPStatus as error:
+        out.error = str(error)
+    except (aiohttp.ClientError, openai.APIConnectionError, httpx2.TransportError) as error:
         out.error = f"connection error: {_describe(_root_cause(error))}"
     except Exception as error:  # the row records it; one bad request never stops the cell
         out.error = _describe(error)
@@ -330,7 +390,7 @@ async def _stream(
         elif not out.done:
             out.error = "stream ended before [DONE]"
     if out.sent == 0.0:
-        out.sent = monotonic()
+        out.sent = time.monotonic()
     return out
 
 
@@ -377,58 +437,84 @@ def _record(
     )
 
 
-def _http_client(settings: ClientSettings, max_in_flight: int) -> httpx2.AsyncClient:
+def _session(max_in_flight: int) -> aiohttp.ClientSession:
     """One connection pool for the whole run, big enough that no request waits for a socket.
 
-    openai's aiohttp transport: httpx2's own connection pool scans every pooled connection on
-    each request and each release (with a syscall per idle one), which at a few hundred
-    requests in flight costs milliseconds per request (``benchmarks/loadgen_pacing.py``).
     Timeouts are per request (``asyncio.timeout`` around each one), not per read. The
     environment's proxy settings are ignored: a benchmark talks to its server directly.
     """
+    connector = aiohttp.TCPConnector(limit=max_in_flight + 1, keepalive_timeout=30.0)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        read_bufsize=READ_BUFSIZE,
+        auto_decompress=False,
+        trust_env=False,
+    )
+
+
+def _openai_client(settings: ClientSettings, max_in_flight: int) -> AsyncOpenAI:
+    """``AsyncOpenAI`` over openai's aiohttp transport: httpx2's own connection pool scans
+    every pooled connection (a syscall per idle one) on each request and each release, which
+    with hundreds in flight costs milliseconds per request."""
     limits = httpx2.Limits(
         max_connections=max_in_flight + 1,
         max_keepalive_connections=max_in_flight + 1,
         keepalive_expiry=30.0,
     )
-    return openai.DefaultAioHttpClient(
+    http = openai.DefaultAioHttpClient(
         limits=limits, timeout=httpx2.Timeout(None), trust_env=False, follow_redirects=False
+    )
+    return AsyncOpenAI(
+        base_url=settings.base_url,
+        api_key=_api_key(),
+        http_client=http,
+        max_retries=0,
+        timeout=None,
     )
 
 
-async def wait_ready(settings: ClientSettings, http: httpx2.AsyncClient | None = None) -> None:
+def _api_key() -> str:
+    """``OPENAI_API_KEY`` as vLLM's client sends it (a server started with --api-key needs it)."""
+    return os.environ.get("OPENAI_API_KEY", "EMPTY")
+
+
+async def wait_ready(
+    settings: ClientSettings, session: aiohttp.ClientSession | None = None
+) -> None:
     """Poll ``GET /health`` (else ``GET /v1/models``) until it answers 200.
 
     Raises LoadgenError naming the URL when ``ready_timeout_s`` passes first, or when the
     server lists its models and ours is not among them (every request would fail with 404).
     """
-    if http is None:
-        async with _http_client(settings, 1) as own:
+    if session is None:
+        async with _session(1) as own:
             return await wait_ready(settings, own)
     deadline = time.monotonic() + settings.ready_timeout_s
     health = f"{settings.server_root}/health"
     models = f"{settings.base_url}/models"
+    headers = {"Authorization": f"Bearer {_api_key()}"}
     problem = "no answer"
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
         probe_s = min(READY_PROBE_TIMEOUT_S, remaining)
+        timeout = aiohttp.ClientTimeout(total=probe_s)
         try:
-            response = await http.get(health, timeout=probe_s)
-            if response.status_code == 404:  # an OpenAI-compatible server without /health
-                response = await http.get(models, timeout=probe_s)
-            if response.status_code == 200:
-                _check_model(settings, await http.get(models, timeout=probe_s))
+            async with session.get(health, timeout=timeout, headers=headers) as response:
+                status, url = response.status, health
+            if status == 404:  # an OpenAI-compatible server without /health
+                async with session.get(models, timeout=timeout, headers=headers) as response:
+                    status, url = response.status, models
+            if status == 200:
+                async with session.get(models, timeout=timeout, headers=headers) as response:
+                    _check_model(settings, response.status, await response.read())
                 return
-            problem = f"HTTP {response.status_code} from {response.request.url}"
-        except httpx2.TimeoutException as error:
-            cause = _root_cause(error)
-            if isinstance(cause, asyncio.TimeoutError | httpx2.TimeoutException):
-                problem = f"no answer within {probe_s:.1f} s"
-            else:
-                problem = _describe(cause)
-        except httpx2.TransportError as error:
+            problem = f"HTTP {status} from {url}"
+        except TimeoutError:
+            problem = f"no answer within {probe_s:.1f} s"
+        except aiohttp.ClientError as error:
             problem = _describe(_root_cause(error))
         await asyncio.sleep(min(READY_POLL_S, max(0.0, deadline - time.monotonic())))
     raise LoadgenError(
@@ -437,11 +523,11 @@ async def wait_ready(settings: ClientSettings, http: httpx2.AsyncClient | None =
     )
 
 
-def _check_model(settings: ClientSettings, response: httpx2.Response) -> None:
-    if response.status_code != 200:
+def _check_model(settings: ClientSettings, status: int, body: bytes) -> None:
+    if status != 200:
         return  # not every OpenAI-compatible server lists its models; requests will tell
     try:
-        served = [card["id"] for card in response.json()["data"]]
+        served = [card["id"] for card in json.loads(body)["data"]]
     except (ValueError, KeyError, TypeError):
         return
     if served and settings.model not in served:
@@ -462,63 +548,83 @@ async def run_requests(
     prefix = secrets.token_hex(4)
     # Everything that grows with the prompt happens here, before the clock starts.
     bodies = {r.request_id: encode_body(r, settings) for r in requests}
-    headers = {r.request_id: {"X-Request-Id": f"{prefix}-{r.request_id}"} for r in requests}
+    common = {"Content-Type": "application/json", "Authorization": f"Bearer {_api_key()}"}
+    if settings.client == "openai":  # the SDK adds its own
+        common = {}
+    headers = {
+        r.request_id: {**common, "X-Request-Id": f"{prefix}-{r.request_id}"} for r in requests
+    }
     max_in_flight = min(settings.max_concurrency or len(measured), len(measured))
     timeout_s = settings.request_timeout_s
-    async with _http_client(settings, max_in_flight) as http:
-        await wait_ready(settings, http)
-        client = AsyncOpenAI(
-            base_url=settings.base_url,
-            api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
-            http_client=http,
-            max_retries=0,
-            timeout=None,
-        )
-        warm = []
-        for spec in warmups:
-            raw = await _stream(
-                client, bodies[spec.request_id], headers[spec.request_id], timeout_s
-            )
-            warm.append((spec, raw))
-            if raw.error:
-                log.warning("warm-up request %d failed: %s", spec.request_id, raw.error)
-        results: dict[int, StreamParser] = {}
-        slots = asyncio.Semaphore(settings.max_concurrency) if settings.max_concurrency else None
-
-        async def one(spec: RequestSpec) -> None:
-            try:
-                raw = await _stream(
-                    client, bodies[spec.request_id], headers[spec.request_id], timeout_s
-                )
-            finally:
-                if slots is not None:
-                    slots.release()
-            results[spec.request_id] = raw
-            if progress is not None:
-                progress.finished(raw.error is None)
-
-        if progress is not None:
-            progress.start()
-            reporter = asyncio.create_task(progress.run())
-        origin = time.monotonic()
-        tasks = []
+    async with _session(max_in_flight) as session:
+        await wait_ready(settings, session)
+        openai_client = None
+        if settings.client == "openai":
+            openai_client = _openai_client(settings, max_in_flight)
+            send: Any = _OpenAISender(openai_client)
+        else:
+            send = _AiohttpSender(session, settings)
         try:
-            for spec in measured:
-                await _sleep_until(origin + spec.scheduled_s)
-                if slots is not None:
-                    await slots.acquire()
-                tasks.append(asyncio.create_task(one(spec)))
-            await asyncio.gather(*tasks)
+            return await _run(
+                send, settings, warmups, measured, bodies, headers, timeout_s, prefix, progress
+            )
         finally:
-            for task in tasks:
-                task.cancel()
-            if progress is not None:
-                reporter.cancel()
-                progress.close()
+            if openai_client is not None:
+                await openai_client.close()
+
+
+async def _run(
+    send: Any,
+    settings: ClientSettings,
+    warmups: list[RequestSpec],
+    measured: list[RequestSpec],
+    bodies: dict[int, bytes],
+    headers: dict[int, dict[str, str]],
+    timeout_s: float,
+    prefix: str,
+    progress: Progress | None,
+) -> RunResult:
+    warm = []
+    for spec in warmups:
+        raw = await _stream(send, bodies[spec.request_id], headers[spec.request_id], timeout_s)
+        warm.append((spec, raw))
+        if raw.error:
+            log.warning("warm-up request %d failed: %s", spec.request_id, raw.error)
+    results: dict[int, StreamParser] = {}
+    slots = asyncio.Semaphore(settings.max_concurrency) if settings.max_concurrency else None
+
+    async def one(spec: RequestSpec) -> None:
+        try:
+            raw = await _stream(send, bodies[spec.request_id], headers[spec.request_id], timeout_s)
+        finally:
+            if slots is not None:
+                slots.release()
+        results[spec.request_id] = raw
+        if progress is not None:
+            progress.finished(raw.error is None)
+
+    if progress is not None:
+        progress.start()
+        reporter = asyncio.create_task(progress.run())
+    origin = time.monotonic()
+    tasks = []
+    try:
+        for spec in measured:
+            await _sleep_until(origin + spec.scheduled_s)
+            if slots is not None:
+                await slots.acquire()
+            tasks.append(asyncio.create_task(one(spec)))
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        if progress is not None:
+            reporter.cancel()
+            progress.close()
     records = [_record(spec, raw, origin, scheduled_s=raw.sent - origin) for spec, raw in warm]
     records += [_record(spec, results[spec.request_id], origin) for spec in measured]
     records.sort(key=lambda r: r.request_id)
-    return RunResult(records, origin, prefix)
+    return RunResult(records, origin, prefix, settings.client)
 
 
 async def _sleep_until(target: float) -> None:
