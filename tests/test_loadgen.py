@@ -8,6 +8,8 @@ import io
 import itertools
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -261,3 +263,18 @@ def test_bench_parser_knows_every_documented_flag():
     )
     assert isinstance(args, argparse.Namespace) and args.run is bench.run
     assert args.qps == float("inf") and args.max_concurrency == 4 and not args.ignore_eos
+
+
+def test_open_file_limit_is_raised_for_the_sockets_in_flight():
+    """A soft limit of 256 with 1000 requests in flight would fail with EMFILE."""
+    code = (
+        "import resource\n"
+        "from servematrix import loadgen\n"
+        "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "loadgen._raise_file_limit(1000)\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    soft, hard = map(int, done.stdout.split())
+    assert soft == (1000 if hard == -1 or hard >= 1000 else hard)

@@ -38,6 +38,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import secrets
 import sys
 import time
@@ -479,6 +480,19 @@ def _api_key() -> str:
     return os.environ.get("OPENAI_API_KEY", "EMPTY")
 
 
+def _raise_file_limit(needed: int) -> None:
+    """One socket per request in flight: lift the soft open-file limit (often 1024) towards the
+    hard one, so ``qps: inf`` with thousands of prompts does not fail with EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < needed:
+            log.warning(
+                "open-file limit %d is below the %d sockets this run may need", hard, needed
+            )
+
+
 async def wait_ready(
     settings: ClientSettings, session: aiohttp.ClientSession | None = None
 ) -> None:
@@ -555,6 +569,7 @@ async def run_requests(
         r.request_id: {**common, "X-Request-Id": f"{prefix}-{r.request_id}"} for r in requests
     }
     max_in_flight = min(settings.max_concurrency or len(measured), len(measured))
+    _raise_file_limit(max_in_flight + 64)
     timeout_s = settings.request_timeout_s
     async with _session(max_in_flight) as session:
         await wait_ready(settings, session)
