@@ -514,8 +514,6 @@ def validation_unsupported(run: ValidationRun) -> str | None:
             f"published max_model_len {run.max_model_len} < input {run.input_len} + output "
             f"{run.output_len}: the stated setup cannot have run (inconsistent source row)"
         )
-    if run.max_concurrency is not None:
-        return "a concurrency-capped client is not simulated yet"
     if run.interface not in ("offline-llm", "serve"):
         return f"unknown interface {run.interface!r}"
     return None
@@ -567,7 +565,9 @@ def _predict_offline(run: ValidationRun, seed: int) -> dict[str, float]:
 
 
 def _predict_serve(run: ValidationRun, seed: int) -> dict[str, float]:
-    """An OpenAI server and ``vllm bench serve`` (one warm-up request, then the run)."""
+    """An OpenAI server and ``vllm bench serve`` (one warm-up request, then the run), with the
+    client's ``--max-concurrency`` cap. A ``sharegpt`` run is simulated at its published mean
+    prompt and output lengths (the row's note says so): the simulator has no ShareGPT copy."""
     model = ModelSpec(
         name=run.model.split("/")[-1],
         hf_id=run.model,
@@ -582,9 +582,10 @@ def _predict_serve(run: ValidationRun, seed: int) -> dict[str, float]:
         output_len=run.output_len,
         num_prompts=run.num_prompts,
         seed=seed,
-        dataset=run.dataset,
+        dataset="random" if run.dataset == "sharegpt" else run.dataset,
         burstiness=1.0,
         warmup_requests=1,
+        max_concurrency=run.max_concurrency,
     )
     cell = Cell(
         backend="simulator",

@@ -182,14 +182,22 @@ def test_validation_header_cites_every_source_with_a_commit() -> None:
         in header
     )
     assert "H100_results.md\n#                 @ c41e22af024ae4166f175e52f43e070cb148b7c5" in header
+    assert "qwen3-14b/a100.md\n#                 @ 10e9444a07c73556f2ef0d10d2b2766bbf54c9c0" in header
     for source in {run.source for run in RUNS}:
         assert f"#   {source}:" in header
 
 
 def test_validation_set_size_and_coverage() -> None:
     values = [(run, metric) for run in RUNS for metric in run.published]
-    assert len(values) >= 150
-    assert Counter(run.source for run, _ in values) == {"qwen25-speed": 147, "kvcached-h100": 6}
+    assert len(values) >= 300
+    assert Counter(run.source for run, _ in values) == {
+        "qwen25-speed": 147,
+        "kvcached-h100": 6,
+        "gpustack-lab": 170,
+    }
+    loaded = [run for run in RUNS if run.regime != "low"]
+    assert {run.gpu for run in loaded} == {"A100-SXM4-80GB", "H100-SXM5-80GB"}
+    assert sum(len(run.published) for run in loaded) >= 100
     assert {run.gpu for run in RUNS} == {"A100-SXM4-80GB", "H100-SXM5-80GB"}
     assert {run.regime for run in RUNS} == set(fidelity.REGIMES)
 
