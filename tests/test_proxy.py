@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from servematrix.proxy import UpstreamError, with_members
 from tests.proxy_helpers import (
     PROXY,
     ROOT,
@@ -161,6 +162,7 @@ def test_v1_waits_for_engine_id_then_sends_the_mooncake_fields(procs: Processes)
         "prompt": "hello",
         "max_tokens": 1,
         "stream": False,
+        "stream_options": None,  # vLLM's proxy deletes it; null means the same to vLLM
         "kv_transfer_params": {
             "do_remote_decode": True,
             "do_remote_prefill": False,
@@ -179,6 +181,26 @@ def test_v1_waits_for_engine_id_then_sends_the_mooncake_fields(procs: Processes)
     }
     assert to_prefill["headers"]["X-data-parallel-rank"] == "0"
     assert to_prefill["headers"]["X-Request-ID"] == to_decode["headers"]["X-Request-ID"] == "r9"
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (b'{"a": 1, "max_tokens": 6}', {"a": 1, "max_tokens": 1, "x": {"y": None}}),
+        (b"  {}\n", {"max_tokens": 1, "x": {"y": None}}),
+        (b'{ "max_tokens":6 ,"x":3 } ', {"max_tokens": 1, "x": {"y": None}}),
+    ],
+)
+def test_with_members_overrides_by_appending(raw: bytes, expected: dict) -> None:
+    out = with_members(raw, {"max_tokens": 1, "x": {"y": None}})
+    assert out.startswith(raw.strip()[:-1].rstrip())  # the client's bytes, unchanged, first
+    assert json.loads(out) == expected
+
+
+@pytest.mark.parametrize("raw", [b"", b"[1]", b'"s"', b"{"])
+def test_with_members_refuses_what_is_not_an_object(raw: bytes) -> None:
+    with pytest.raises(UpstreamError, match="not a JSON object"):
+        with_members(raw, {"a": 1})
 
 
 def test_upstream_dying_mid_stream_ends_with_an_error_event(procs: Processes) -> None:

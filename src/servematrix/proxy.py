@@ -32,7 +32,10 @@ the JSON body names each upstream's state.
   ``stream_options``) without waiting for it, and at once streams the decode request
   (``do_remote_prefill``, ``remote_bootstrap_addr``, ``remote_engine_id``, ``transfer_id``). The
   decoder pulls the KV when the prefill has produced it. Differences from the original, all
-  outside the KV protocol: the client's ``X-Request-Id`` (if any) is kept on both requests so
+  outside the KV protocol: the changed members are appended to the client's JSON bytes rather
+  than the body decoded and re-encoded (:func:`with_members`; the prefill copy says
+  ``"stream_options": null`` where the original deletes the key, which vLLM reads alike);
+  the client's ``X-Request-Id`` (if any) is kept on both requests so
   servers' per-request logs line up with the client's (the original replaces it with the uuid);
   the decoder's status and content type are relayed (the original relabels its bytes as
   ``application/json``); a failed prefill is logged, and the decoder's pull then fails the
@@ -227,15 +230,27 @@ class RoundRobinProxy(Proxy):
         )
 
 
-async def _json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
-    raw = await request.read()
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise UpstreamError(f"request body is not JSON: {exc}", 400) from None
-    if not isinstance(data, dict):
+def with_members(raw: bytes, members: dict[str, Any]) -> bytes:
+    """``raw``, a JSON object's bytes, with ``members`` appended. They override members of the
+    same name: JSON decoders (Python's, hence vLLM's FastAPI and the emulator) keep the last of
+    duplicate names. Appending costs a copy of the bytes, where decoding and encoding a
+    32k-token prompt takes tens of milliseconds in Python: the proxies never decode a body.
+    Raises ``UpstreamError`` (400) if ``raw`` is plainly not an object; anything subtler is
+    the upstream's to reject."""
+    body = raw.strip()
+    if body[:1] != b"{" or body[-1:] != b"}":
         raise UpstreamError("request body is not a JSON object", 400)
-    return raw, data
+    inner = body[:-1].rstrip()
+    extra = json.dumps(members, separators=(",", ":")).encode()[1:-1]
+    return inner + (b"" if inner == b"{" else b",") + extra + b"}"
+
+
+def _prefill_members(raw: bytes) -> dict[str, Any]:
+    """``max_tokens`` 1 for the prefill copy (and ``max_completion_tokens``, if sent)."""
+    members: dict[str, Any] = {"max_tokens": 1}
+    if b'"max_completion_tokens"' in raw:
+        members["max_completion_tokens"] = 1
+    return members
 
 
 class DisaggV0Proxy(Proxy):
@@ -255,13 +270,11 @@ class DisaggV0Proxy(Proxy):
     async def handle(self, request: web.Request) -> web.StreamResponse:
         prefill, decode = next(self._prefill), next(self._decode)
         headers = forward_headers(request)
+        raw = await request.read()
         try:
-            raw, data = await _json_body(request)
-            copy = {**data, "max_tokens": 1}
-            if "max_completion_tokens" in data:
-                copy["max_completion_tokens"] = 1
+            copy = with_members(raw, _prefill_members(raw))
             headers["Content-Type"] = "application/json"
-            await self._prefill_request(prefill + request.path, headers, json.dumps(copy).encode())
+            await self._prefill_request(prefill + request.path, headers, copy)
         except UpstreamError as exc:
             log.warning("%s", exc)
             return _error_response(str(exc), exc.status)
@@ -364,10 +377,7 @@ class DisaggV1Proxy(Proxy):
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if self._prefill_cycle is None:
             return _error_response("Service Unavailable: prefill engine ids not known yet", 503)
-        try:
-            _, data = await _json_body(request)
-        except UpstreamError as exc:
-            return _error_response(str(exc), exc.status)
+        raw = await request.read()
         prefiller, rank = next(self._prefill_cycle)
         decode = next(self._decode)
         request_id = request.headers.get("X-Request-Id") or str(uuid.uuid4())
@@ -378,29 +388,18 @@ class DisaggV1Proxy(Proxy):
         )
         if auth:
             headers["Authorization"] = auth
-        prefill_body = {
-            **data,
+        prefill_members = {
             "kv_transfer_params": {
                 "do_remote_decode": True,
                 "do_remote_prefill": False,
                 "transfer_id": transfer_id,
             },
             "stream": False,
-            "max_tokens": 1,
+            **_prefill_members(raw),
         }
-        if "max_completion_tokens" in data:
-            prefill_body["max_completion_tokens"] = 1
-        prefill_body.pop("stream_options", None)
-        self._spawn(
-            self._prefill_request(
-                prefiller["url"] + request.path,
-                {**headers, "X-data-parallel-rank": str(rank)},
-                json.dumps(prefill_body).encode(),
-            )
-        )
-        await asyncio.sleep(0)  # the prefill goes out first, as from vLLM's proxy
-        decode_body = {
-            **data,
+        if b'"stream_options"' in raw:
+            prefill_members["stream_options"] = None  # vLLM's proxy deletes it: same meaning
+        decode_members = {
             "kv_transfer_params": {
                 "do_remote_decode": False,
                 "do_remote_prefill": True,
@@ -409,9 +408,20 @@ class DisaggV1Proxy(Proxy):
                 "transfer_id": transfer_id,
             },
         }
-        return await self.relay(
-            request, "POST", decode + request.path, headers, json.dumps(decode_body).encode()
+        try:
+            prefill_body = with_members(raw, prefill_members)
+            decode_body = with_members(raw, decode_members)
+        except UpstreamError as exc:
+            return _error_response(str(exc), exc.status)
+        self._spawn(
+            self._prefill_request(
+                prefiller["url"] + request.path,
+                {**headers, "X-data-parallel-rank": str(rank)},
+                prefill_body,
+            )
         )
+        await asyncio.sleep(0)  # the prefill goes out first, as from vLLM's proxy
+        return await self.relay(request, "POST", decode + request.path, headers, decode_body)
 
     async def _prefill_request(self, url: str, headers: dict[str, str], body: bytes) -> None:
         assert self.session is not None
