@@ -229,21 +229,32 @@ def test_a_port_with_nothing_is_one_line_and_no_trace(tmp_path):
     assert "ConnectionRefusedError" in done.stderr  # the last probe's failure is named
 
 
-def test_a_server_serving_another_model_is_one_line(tmp_path):
+def test_jsonl_lengths_per_request_and_a_wrong_model_name(tmp_path):
+    """A jsonl file of per-request lengths is sent as exactly those lengths, cycling through the
+    file; a model the server does not serve is one line and no trace."""
+    data = tmp_path / "lengths.jsonl"
+    data.write_text(
+        "".join(
+            f'{{"input_len": {n}, "output_len": {m}}}\n' for n, m in [(50, 2), (700, 7), (123, 1)]
+        )
+    )
+    output = tmp_path / "trace.parquet"
+    wrong = tmp_path / "wrong.parquet"
     with emulator() as url:
         done = bench(
-            "--base-url",
-            url,
-            "--model",
-            "other/model",
-            "--num-prompts",
-            "2",
-            "-o",
-            str(tmp_path / "t.parquet"),
+            *["--base-url", url, "--model", MODEL, "--qps", "inf", "--num-prompts", "7"],
+            *["--dataset", "jsonl", "--dataset-path", str(data), "--warmup-requests", "0"],
+            *["-o", str(output)],
         )
-    assert done.returncode == 1 and done.stderr.count("\n") == 1
-    assert f"does not serve model 'other/model' (it serves: {MODEL})" in done.stderr
-    assert not (tmp_path / "t.parquet").exists()
+        refused = bench("--base-url", url, "--model", "other/model", "-o", str(wrong))
+    assert done.returncode == 0, done.stderr
+    rows = trace.read(output).to_pylist()
+    assert [r["prompt_tokens"] for r in rows] == [50, 700, 123, 50, 700, 123, 50]
+    assert [r["completion_tokens"] for r in rows] == [2, 7, 1, 2, 7, 1, 2]
+    assert [r["request_output_len"] for r in rows] == [2, 7, 1, 2, 7, 1, 2]
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1
+    assert f"does not serve model 'other/model' (it serves: {MODEL})" in refused.stderr
+    assert not wrong.exists()
 
 
 @contextmanager
