@@ -12,17 +12,19 @@ dataset (1024-token prompts, 6 output tokens), Poisson arrivals, for each QPS, c
 * ``timer+spin`` (the default): the timer ``SPIN_S`` early, then yielding to the loop until
   the instant.
 
-Per point: achieved QPS (measured requests over the time from the first send to the last
-send), send lag (``sent_s - scheduled_s``) P50/P99/max, the server's arrival time minus the
-client's ``sent_s`` (P50/P99: what the client's request path and the loopback add before the
-server sees the request), and the client's CPU time per request and as a share of one core
-over the run (``time.process_time``, all threads). Failed requests are counted. Timing on a
-shared machine varies run to run; compare the columns of one run.
+First, the pacing alone on an idle loop: send lag and CPU per send for no spin, the default
+``SPIN_S`` and a whole millisecond. Then, per point: achieved QPS (measured requests over the
+time from the first send to the last send), send lag (``sent_s - scheduled_s``) P50/P99/max,
+the server's arrival time minus the client's ``sent_s`` (P50/P99: what the client's request
+path and the loopback add before the server sees the request), and the client's CPU time per
+request and as a share of one core over the run (``time.process_time``, all threads). Failed
+requests are counted. Timing on a shared machine varies run to run; compare the columns of one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import socket
 import subprocess
 import sys
@@ -110,12 +112,46 @@ def point(url: str, qps: float, duration_s: float, seed: int, client: str) -> di
     }
 
 
+def pacing_alone(qps: float, n: int, spin_s: float) -> dict[str, float]:
+    """`loadgen._sleep_until` on an otherwise idle loop: the timer's own precision and cost."""
+
+    async def go() -> tuple[np.ndarray, float]:
+        loadgen.SPIN_S = spin_s
+        rng = np.random.default_rng(0)
+        targets = time.monotonic() + 0.01 + np.cumsum(rng.exponential(1 / qps, n))
+        lags = []
+        cpu = time.process_time()
+        for target in targets:
+            await loadgen._sleep_until(target)
+            lags.append(time.monotonic() - target)
+        return np.array(lags) * 1e3, (time.process_time() - cpu) / n * 1e3
+
+    lag_ms, cpu_ms = asyncio.run(go())
+    return {
+        "p50": np.percentile(lag_ms, 50),
+        "p99": np.percentile(lag_ms, 99),
+        "max": lag_ms.max(),
+        "cpu_ms": cpu_ms,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--qps", type=float, nargs="+", default=[10.0, 100.0, 500.0])
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    default_spin = loadgen.SPIN_S
+    print("Pacing alone (an idle loop, Poisson send instants at the first QPS):")
+    print(f"{'spin ms':>8} {'lag p50':>8} {'lag p99':>8} {'lag max':>8} {'cpu/send':>8}")
+    for spin in (0.0, default_spin, 0.0011):
+        p = pacing_alone(args.qps[0], 400, spin)
+        print(
+            f"{spin * 1e3:>8.1f} {p['p50']:>8.3f} {p['p99']:>8.3f} {p['max']:>8.3f} "
+            f"{p['cpu_ms']:>8.3f}"
+        )
+    loadgen.SPIN_S = default_spin
+    print()
     port = free_port()
     server = subprocess.Popen(
         [
@@ -125,7 +161,6 @@ def main() -> None:
         stdout=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
-    default_spin = loadgen.SPIN_S
     header = (
         f"{'qps':>6} {'client':>7} {'pacing':>10} {'n':>5} {'achieved':>8} {'lag p50':>8} "
         f"{'lag p99':>8} {'lag max':>8} {'arr p50':>8} {'arr p99':>8} {'cpu/req':>8} {'cpu':>5} "

@@ -67,8 +67,9 @@ logging.getLogger("httpx2").setLevel(logging.WARNING)
 # never answers must not eat the whole readiness budget in one probe).
 READY_POLL_S = 0.5
 READY_PROBE_TIMEOUT_S = 5.0
-# Sends wake up this early and yield to the loop until their instant (see `_sleep_until`).
-SPIN_S = 0.0011
+# Send timers are set this early; what is left before the instant is spent yielding to the
+# loop (see `_sleep_until`).
+SPIN_S = 0.0005
 # How requests go out (the response is read the same way by both, `StreamParser`):
 # "aiohttp": one aiohttp session, the precomputed body and headers posted as they are;
 # "openai": the same through ``openai.AsyncOpenAI`` (over openai's own aiohttp transport),
@@ -645,9 +646,12 @@ async def _run(
 async def _sleep_until(target: float) -> None:
     """Return at the monotonic time ``target`` (at once when it has passed).
 
-    asyncio's timers wake up to a millisecond late (epoll rounds its timeout up to whole ms),
-    so the timer is set ``SPIN_S`` early and the rest is spent yielding to the loop, which
-    keeps serving the streams in flight meanwhile.
+    asyncio's timers wake up to a millisecond late: epoll rounds its timeout up to whole ms.
+    Set ``SPIN_S`` early, the timer fires somewhere in [target - SPIN_S, target - SPIN_S +
+    1 ms); when that is early, the rest is spent yielding to the loop (which keeps serving the
+    streams in flight). With 0.5 ms a send is at most ~0.5 ms late from the timer, and the
+    yielding costs ~0.13 ms of CPU per request on average instead of ~0.6 ms for a timer set
+    a whole millisecond early.
     """
     monotonic = time.monotonic
     delay = target - monotonic() - SPIN_S
