@@ -6,10 +6,11 @@
 ``--chunk-ms`` apart, in vLLM 0.33's streamed shape (wire reference §2), or one JSON body
 when ``stream`` is false. With ``--stamp`` every chunk carries ``"server_ns"``, the server's
 ``time.monotonic_ns()`` when it was written, so a client on the same host can measure each
-chunk's delivery time (without it, the bytes of an answer depend only on the request). ``GET /health`` is 200; ``GET /query`` answers like a Mooncake bootstrap
-server with engine id ``--name``; ``GET /requests`` lists the completion requests received
-(headers, body and ``received_ns``, oldest first). Faults for tests: ``--fail-status N`` answers every
-completion with HTTP N; ``--die-after-chunks K`` exits the process after K chunks of a stream.
+chunk's delivery time (without it, the bytes of an answer depend only on the request).
+``GET /health`` is 200; ``GET /query`` answers like a Mooncake bootstrap server with engine id
+``--name``; ``GET /requests`` lists the completion requests received (headers, body and
+``received_ns``, oldest first). Faults for tests: ``--fail-status N`` answers every completion
+with HTTP N; ``--die-after-chunks K`` exits the process after K chunks of a stream.
 """
 
 from __future__ import annotations

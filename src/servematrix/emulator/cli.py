@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from servematrix.emulator import wire
+from servematrix.emulator.disagg import KvConnector, KvTransferError, connector
 from servematrix.emulator.models import ModelError, ModelInfo, resolve_model
 from servematrix.emulator.pacing import WallClockEngine
 from servematrix.emulator.server import Emulator, Faults, ServerSettings
@@ -254,11 +255,35 @@ def _log(recipe: str, message: str) -> None:
         print(f"INFO {stamp} api_server.py] {message}", flush=True)
 
 
+async def _start_kv_connector(
+    args: argparse.Namespace, setup: EngineSetup, engine: WallClockEngine
+) -> KvConnector | None:
+    """The disaggregated role of ``--kv-transfer-config``, started before the API server
+    listens (as vLLM's workers set up their connector while the engine loads)."""
+    try:
+        kv = connector(
+            args.kv_transfer_config,
+            args.recipe,
+            setup.arch,
+            args.tensor_parallel_size,
+            args.host,
+        )
+        if kv is not None:
+            kv.attach(engine)
+            await kv.start()
+    except KvTransferError as error:
+        raise StartupError(str(error)) from None
+    return kv
+
+
 async def serve(args: argparse.Namespace, setup: EngineSetup, settings: ServerSettings) -> None:
     engine = WallClockEngine(setup.instance(args.seed, 0))
     engine_task = asyncio.create_task(engine.run())
     await asyncio.sleep(args.startup_delay_s)  # "loading the model": the port stays closed
-    runner = web.AppRunner(Emulator(settings, engine).app(), access_log=None, handle_signals=False)
+    kv = await _start_kv_connector(args, setup, engine)
+    runner = web.AppRunner(
+        Emulator(settings, engine, kv).app(), access_log=None, handle_signals=False
+    )
     await runner.setup()
     host = args.host or "0.0.0.0"
     try:
@@ -293,6 +318,8 @@ async def serve(args: argparse.Namespace, setup: EngineSetup, settings: ServerSe
     with contextlib.suppress(asyncio.CancelledError):
         await engine_task
     await runner.cleanup()
+    if kv is not None:
+        await kv.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

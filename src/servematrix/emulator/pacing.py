@@ -15,10 +15,16 @@ import asyncio
 import itertools
 import math
 import time
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from servematrix.engine.instance import EngineInstance
+from servematrix.engine.instance import EngineInstance, StepResult
 from servematrix.engine.scheduler import Request
+
+RECENT_STEPS = 4096
+"""Steps kept in ``WallClockEngine.recent_steps``: seconds of history at any step rate."""
 
 
 @dataclass
@@ -60,6 +66,11 @@ class WallClockEngine:
         self._streams: dict[int, TokenStream] = {}
         self._aborted: list[TokenStream] = []
         self._wake = asyncio.Event()
+        # Disaggregated roles (emulator.disagg): a v0 KV producer's copy chain advances only
+        # between its steps, so it reads the recent steps; a v0 consumer's step that receives
+        # KV ends when the hook says (its receive waits for the producer's share).
+        self.recent_steps: deque[tuple[float, float]] = deque(maxlen=RECENT_STEPS)
+        self.receive_hook: Callable[[float, StepResult], Awaitable[float]] | None = None
 
     @property
     def num_running(self) -> int:
@@ -75,12 +86,17 @@ class WallClockEngine:
         return pool.used_blocks / pool.num_blocks
 
     def submit(
-        self, prompt_tokens: int, max_tokens: int, arrival_s: float | None = None
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        arrival_s: float | None = None,
+        **request_fields: Any,
     ) -> TokenStream:
         """Queue a request that arrived at ``arrival_s`` (monotonic; default now). It joins the
         first step that starts at or after then, unless that step was already formed when the
-        request was submitted (then the next one)."""
-        request = Request(next(self._ids), prompt_tokens, max_tokens)
+        request was submitted (then the next one). ``request_fields`` go to the engine's
+        ``Request`` (a KV consumer's ``num_computed`` or ``receive_ms``, ``emulator.disagg``)."""
+        request = Request(next(self._ids), prompt_tokens, max_tokens, **request_fields)
         stream = TokenStream(request, time.monotonic() if arrival_s is None else arrival_s)
         self._arrivals.append(stream)
         self._wake.set()
@@ -109,6 +125,9 @@ class WallClockEngine:
                 continue
             result = instance.step()
             end_s = start_s + result.duration_s
+            if result.num_received and self.receive_hook is not None:
+                end_s = await self.receive_hook(start_s, result)
+            self.recent_steps.append((start_s, end_s))
             delay = end_s - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)

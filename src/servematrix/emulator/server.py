@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from servematrix.emulator import wire
+from servematrix.emulator.disagg import KvConnector, KvTransferError
 from servematrix.emulator.pacing import TokenStream, WallClockEngine
 from servematrix.workload import TokenCounter
 
@@ -77,9 +78,12 @@ class RequestError(Exception):
 
 
 class Emulator:
-    def __init__(self, settings: ServerSettings, engine: WallClockEngine):
+    def __init__(
+        self, settings: ServerSettings, engine: WallClockEngine, kv: KvConnector | None = None
+    ):
         self.settings = settings
         self.engine = engine
+        self.kv = kv  # disaggregated roles (emulator.disagg)
         self.requests: dict[str, RequestLog] = {}
         self.num_requests = 0
 
@@ -149,6 +153,7 @@ class Emulator:
         rid = wire.response_id(self.settings.recipe, header_id)
         log = RequestLog(arrival_s)
         self.requests[header_id or rid] = log
+        body = None
         try:
             body = await self._parse(request)
             if fail:
@@ -158,12 +163,23 @@ class Emulator:
             prompt_tokens, max_tokens = self._lengths(body)
         except RequestError as error:
             log.status, log.outcome, log.end_s = error.status, error.message, time.monotonic()
+            if self.kv is not None:
+                self.kv.failed(body, error.message)
             return self._error(error)
         log.prompt_tokens, log.max_tokens = prompt_tokens, max_tokens
         log.kv_transfer_params = body.get("kv_transfer_params")
+        covered: dict[str, Any] = {}  # how a KV consumer's prompt is covered
+        if self.kv is not None:
+            try:
+                arrival_s, covered = await self.kv.before_submit(body, prompt_tokens, arrival_s)
+            except KvTransferError as error:
+                log.status, log.outcome, log.end_s = 500, str(error), time.monotonic()
+                return self._error(RequestError(500, str(error), "InternalServerError"))
         # The request counts as arrived when its headers were read: the simulator, the ground
         # truth, has no network either, and parsing a long prompt's body takes milliseconds.
-        stream = self.engine.submit(prompt_tokens, max_tokens, arrival_s)
+        stream = self.engine.submit(prompt_tokens, max_tokens, arrival_s, **covered)
+        if self.kv is not None:
+            self.kv.submitted(body, stream)
         head = {
             "id": rid,
             "object": "text_completion",
