@@ -222,6 +222,15 @@ def test_bench_bad_input_is_one_line_and_no_trace(tmp_path, capsys, flags, messa
     assert not output.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_bench_unwritable_output_is_refused_before_the_run(tmp_path, capsys):
+    assert cli.main([*_bench_args(), "-o", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"servematrix bench: -o {tmp_path} is a directory\n"
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli.main([*_bench_args(), "-o", str(blocker / "sub" / "t.parquet")]) == 1
+    assert f"cannot write in {blocker}" in capsys.readouterr().err
+
+
 def test_bench_malformed_dataset_file_is_named_with_its_line(tmp_path, capsys):
     data = tmp_path / "requests.jsonl"
     data.write_text('{"input_len": 10, "output_len": 2}\n{"input_len": \n')

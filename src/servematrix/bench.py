@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import platform
 import socket
 import sys
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from servematrix.loadgen import ClientSettings, LoadgenError
 
     try:
+        _check_output(args.output)
         workload = _workload(args)
         settings = ClientSettings(
             base_url=args.base_url,
@@ -113,16 +115,33 @@ def run(args: argparse.Namespace) -> int:
             "started_utc": started.isoformat(timespec="seconds"),
             **result.metadata(),
         }
-        trace.write(args.output, _identity(args, workload), result.records, metadata)
+        try:
+            trace.write(args.output, _identity(args, workload), result.records, metadata)
+        except OSError as error:
+            raise BenchError(f"cannot write the trace {args.output}: {error}") from None
     except (BenchError, LoadgenError, WorkloadError) as error:
         print(f"servematrix bench: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("servematrix bench: interrupted; no trace written", file=sys.stderr)
+        return 130
     failed = sum(not r.success for r in result.records if not r.warmup)
     print(
         f"{args.output}: {workload.num_prompts} requests, {failed} failed",
         file=sys.stderr,
     )
     return 0
+
+
+def _check_output(output: Path) -> None:
+    """Fail before the run, not after it, when the trace cannot be written where asked."""
+    if output.is_dir():
+        raise BenchError(f"-o {output} is a directory")
+    parent = output.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise BenchError(f"-o {output}: cannot write in {parent}")
 
 
 def _workload(args: argparse.Namespace) -> Workload:
