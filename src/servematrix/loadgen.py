@@ -450,7 +450,6 @@ def _session(max_in_flight: int) -> aiohttp.ClientSession:
         connector=connector,
         timeout=aiohttp.ClientTimeout(total=None),
         read_bufsize=READ_BUFSIZE,
-        auto_decompress=False,
         trust_env=False,
     )
 
