@@ -22,6 +22,8 @@ from servematrix.deploy.supervise import (
     group_alive,
     launch_argv,
     port_problem,
+    requests_in_flight,
+    wait_quiet,
 )
 
 
@@ -209,3 +211,36 @@ def test_pins_are_checked_against_the_gpus_present():
     gpulock.check_gpus_exist("m", (0, 1), present={0, 1, 2, 3})
     with pytest.raises(DeployError, match=r"models.m.gpus pins GPU\(s\) \[4, 5\] but nvidia-smi"):
         gpulock.check_gpus_exist("m", (0, 4, 5), present={0, 1, 2, 3})
+
+
+METRICS_SERVER = """
+import http.server, sys
+BODY = ('# HELP vllm:num_requests_running x\\n'
+        'vllm:num_requests_running{model_name="m",engine="0"} %s\\n'
+        'vllm:num_requests_waiting{model_name="m",engine="0"} 0.0\\n' % sys.argv[2]).encode()
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(BODY)
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.mark.parametrize(("running", "quiet"), [("0.0", True), ("2.0", False)])
+def test_a_server_is_quiet_only_with_no_request_in_flight(tmp_path, running, quiet):
+    port = free_port()
+    process = Process(
+        "single",
+        ("python3", "-c", METRICS_SERVER, str(port), running),
+        {},
+        port,
+        Health(f"http://127.0.0.1:{port}/health"),
+        (0,),
+    )
+    deployment = _deployment(tmp_path, _plan(process))
+    deployment.start()
+    try:
+        assert requests_in_flight(f"http://127.0.0.1:{port}") == float(running)
+        assert wait_quiet([process], 0.5) is quiet
+    finally:
+        deployment.stop()

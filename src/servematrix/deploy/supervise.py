@@ -105,6 +105,40 @@ def healthy(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+IN_FLIGHT_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def requests_in_flight(base: str) -> float | None:
+    """Running + waiting requests from a vLLM server's Prometheus ``/metrics`` (None: no answer
+    or no such metrics, e.g. etcd or a proxy)."""
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as response:
+            text = response.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in IN_FLIGHT_METRICS:
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return total if seen else None
+
+
+def wait_quiet(processes: Iterable[Process], timeout_s: float) -> bool:
+    """Whether every instance reaches zero requests in flight within ``timeout_s``: between
+    two cells on one deployment nothing of the previous cell may still be running."""
+    bases = [p.health.url.rsplit("/", 1)[0] for p in processes if p.gpus]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = [requests_in_flight(base) for base in bases]
+        if all(not count for count in counts):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S)
+
+
 def signal_group(pgid: int, sig: int) -> bool:
     try:
         os.killpg(pgid, sig)

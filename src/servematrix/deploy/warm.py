@@ -41,9 +41,11 @@ from servematrix.deploy.supervise import (
     healthy,
     log_tail,
     stop_groups,
+    wait_quiet,
 )
 
 WATCH_S = 0.5
+QUIET_TIMEOUT_S = 60.0
 ACTIVE = ("starting", "ready")
 
 
@@ -252,6 +254,9 @@ def acquire(plan: Plan, state_dir: Path, log_dir: Path, settings: Settings) -> L
             state.get("status") == "ready"
             and pid_alive(state.get("supervisor_pid"))
             and healthy(plan.processes[-1].health.url)
+            # Both recipes run without prefix caching, so a quiet server starts each cell
+            # from the same state; one still busy with a previous cell's requests is restarted.
+            and wait_quiet(plan.processes, QUIET_TIMEOUT_S)
         ):
             return Lease(plan, run_dir, False, float(state["startup_s"]), fd, settings)
         if is_active(run_dir):
@@ -380,6 +385,12 @@ def supervise(run_dir: Path) -> int:
                 write(status="failed", error=error)
                 print(error, flush=True)
                 return 1
+            if not (run_dir / "plan.json").is_file():
+                # Its directory was deleted (a scratch workdir removed): nobody can reach or
+                # stop this deployment any more, so it stops itself.
+                deployment.stop()
+                print(f"deployment {plan.fingerprint} stopped: {run_dir} removed", flush=True)
+                return 0
             idle_fd = _idle_lease(run_dir, settings.idle_timeout_s)
             if idle_fd is not None:
                 # Holding the lease: a cell arriving now waits, then finds it stopped.

@@ -1,0 +1,309 @@
+"""The workflow on backend emulator: real deployments, warm reuse and every fault ending clean.
+
+Each test runs `snakemake` in a scratch copy of the workflow with its own ports, and checks at
+the end that no process of ours is alive, every port is free and no half-written trace is left.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from servematrix import config
+from servematrix.deploy.recipes import plan
+from servematrix.deploy.supervise import port_problem
+from tests.workflow_helpers import copy_workflow
+
+pytestmark = pytest.mark.slow
+
+MODEL = "Qwen2.5-7B-Instruct-GPTQ-Int4"
+
+
+def _free_base() -> int:
+    """A block of 1000 ports, all free now (each test has its own: no collisions), below the
+    kernel's ephemeral range (32768+) so no client connection can be holding one."""
+    for _ in range(50):
+        base = random.randrange(10000, 31000, 1000)
+        if all(port_problem("127.0.0.1", base + o) is None for o in range(0, 1000, 7)):
+            return base
+    raise RuntimeError("no free port block")
+
+
+def _ports(base: int) -> dict[str, int]:
+    return {
+        "proxy": base + 90,
+        "prefill": base + 100,
+        "decode": base + 200,
+        "single": base + 997,
+        "etcd": base + 379,
+        "bootstrap": base + 800,
+        "mooncake": base + 503,
+    }
+
+
+def _config(
+    modes: list[str], qps: list[float], num_prompts: int = 6, recipe: str = "v0", **deploy: Any
+) -> dict[str, Any]:
+    return {
+        "backend": "emulator",
+        "defaults": {"num_prompts": num_prompts, "output_len": 4, "seed": 0},
+        "ports": _ports(_free_base()),
+        "deploy": {"startup_timeout_s": 120, "stop_timeout_s": 10, **deploy},
+        "models": {
+            MODEL: {
+                "hf_id": "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",
+                "architecture": "qwen2.5-7b",
+                "quantization": "gptq-int4",
+                "tensor_parallel": 1,
+                "gpus": [[0], [4]],
+            }
+        },
+        "studies": {
+            "mooncake": {
+                "recipe": recipe,
+                "models": [MODEL],
+                "modes": modes,
+                "qps": qps,
+                "input_len": [128],
+            }
+        },
+    }
+
+
+def _snakemake(
+    workdir: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 900
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "1", *args],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _our_processes(workdir: Path, ports: dict[str, int]) -> list[str]:
+    """Command lines of live processes started for this workdir or on its ports."""
+    marks = [str(workdir)] + [f"--port {p} " for p in ports.values()]
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().split(") ", 1)[1][0]
+        except OSError:
+            continue
+        if state != "Z" and any(mark in cmd + " " for mark in marks):
+            found.append(f"{proc.name}: {cmd[:160]}")
+    return found
+
+
+def _assert_clean(workdir: Path, cfg: dict[str, Any]) -> None:
+    deadline = time.monotonic() + 15
+    while _our_processes(workdir, cfg["ports"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _our_processes(workdir, cfg["ports"]) == []
+    for name, port in cfg["ports"].items():
+        assert port_problem("127.0.0.1", port) is None, f"{name} port {port} still bound"
+    leftovers = [p for p in (workdir / "results").rglob("*") if p.name.startswith(".")]
+    assert leftovers == [], "no half-written file"
+
+
+def _traces(workdir: Path) -> dict[str, tuple[Any, dict[str, Any]]]:
+    out = {}
+    for path in sorted((workdir / "results" / "emulator" / "cells").rglob("*.parquet")):
+        table = pq.read_table(path)
+        meta = json.loads(next(iter(table.schema.metadata.values())))
+        out[str(path.relative_to(workdir))] = (table, meta)
+    return out
+
+
+def test_study_runs_every_mode_and_starts_each_deployment_once(tmp_path):
+    cfg = _config(["single", "nondisagg", "chunked"], [2, 4, 6, 8])
+    workdir = copy_workflow(tmp_path, cfg)
+    result = _snakemake(workdir, "all")
+    assert result.returncode == 0, result.stderr[-3000:]
+    traces = _traces(workdir)
+    assert len(traces) == 12
+    cells = {c.path: c for c in config.load(cfg).all_cells()}
+    started: dict[str, list[str]] = {}
+    for path, (table, meta) in traces.items():
+        deployment = meta["deployment"]
+        assert table.column("success").to_pylist() == [True] * table.num_rows
+        started.setdefault(deployment["fingerprint"], []).append(deployment["started"])
+        assert deployment["startup_s"] > 0
+        # exactly the argv, environment and ports the vllm backend would use, bar the executable
+        real = plan(cells[path], "vllm").resolve(".")
+        for emulated, vllm in zip(deployment["processes"], real.processes, strict=True):
+            assert emulated["env"] == dict(vllm.env) and emulated["port"] == vllm.port
+            if vllm.name == "proxy":
+                assert emulated["argv"] == list(vllm.argv)
+            else:
+                assert emulated["argv"][:2] == ["servematrix-emulator", "serve"]
+                assert emulated["argv"][2 : len(vllm.argv) - 1] == list(vllm.argv[3:])
+    assert len(started) == 3
+    for fingerprint, kinds in started.items():
+        assert sorted(kinds) == ["fresh", "reused", "reused", "reused"], fingerprint
+    assert (workdir / "results/emulator/summary/mooncake.csv").is_file()
+    assert "servematrix: stopped deployment" in result.stdout + result.stderr
+    _assert_clean(workdir, cfg)
+
+
+def test_a_single_requested_cell_starts_measures_and_stops(tmp_path):
+    cfg = _config(["chunked"], [4, 8])
+    workdir = copy_workflow(tmp_path, cfg)
+    cell = next(c for c in config.load(cfg).all_cells() if c.workload.qps == 8)
+    result = _snakemake(workdir, cell.path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ((table, meta),) = _traces(workdir).values()
+    assert meta["deployment"]["started"] == "fresh"
+    assert table.num_rows == 7  # one warm-up + six measured
+    _assert_clean(workdir, cfg)
+
+
+def _one_cell(tmp_path: Path, mode: str = "single", **deploy: Any) -> tuple[Path, dict, str]:
+    cfg = _config([mode], [4], **deploy)
+    workdir = copy_workflow(tmp_path, cfg)
+    return workdir, cfg, config.load(cfg).all_cells()[0].path
+
+
+def _assert_failed(result, workdir, cfg, cell_path, *messages: str) -> None:
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    for message in messages:
+        assert message in output, output[-3000:]
+    assert not (workdir / cell_path).exists()
+    _assert_clean(workdir, cfg)
+
+
+def test_a_server_that_dies_at_start_up(tmp_path):
+    cfg = _config(["single"], [4])
+    # A model id the server cannot resolve offline: it exits at start, as vLLM would.
+    cfg["models"][MODEL]["hf_id"] = "servematrix-test/no-such-model"
+    workdir = copy_workflow(tmp_path, cfg)
+    cell = config.load(cfg).all_cells()[0].path
+    result = _snakemake(workdir, cell, env={"HF_HUB_OFFLINE": "1"})
+    _assert_failed(
+        result,
+        workdir,
+        cfg,
+        cell,
+        "single exited with code 1 during start-up",
+        "servematrix-test/no-such-model",
+    )
+
+
+def test_a_server_that_never_becomes_healthy(tmp_path):
+    workdir, cfg, cell = _one_cell(tmp_path, startup_timeout_s=3)
+    env = {"SERVEMATRIX_EMULATOR_STARTUP_DELAY_S": "300"}
+    result = _snakemake(workdir, cell, env=env)
+    _assert_failed(result, workdir, cfg, cell, "single did not become healthy at", "within 3 s")
+
+
+def test_a_port_already_taken(tmp_path):
+    workdir, cfg, cell = _one_cell(tmp_path, "nondisagg")
+    port = cfg["ports"]["decode"]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        result = _snakemake(workdir, cell)
+    _assert_failed(result, workdir, cfg, cell, f"port {port} (needed by decode)", "in use")
+
+
+def test_a_gpu_lock_held_by_another_cell(tmp_path):
+    workdir, cfg, cell = _one_cell(tmp_path, gpu_lock_timeout_s=2)
+    locks = workdir / ".servematrix" / "emulator" / "gpu-locks"
+    locks.mkdir(parents=True)
+    (locks / "gpu0.holder").write_text("pid 99: results/emulator/cells/other.parquet\n")
+    fd = os.open(locks / "gpu0.lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        result = _snakemake(workdir, cell)
+    finally:
+        os.close(fd)
+    _assert_failed(
+        result, workdir, cfg, cell, "GPU 0 is locked by pid 99: results/emulator/cells/other"
+    )
+
+
+def test_an_instance_crashing_in_the_middle_of_a_cell(tmp_path):
+    workdir, cfg, cell = _one_cell(tmp_path)
+    result = _snakemake(workdir, cell, env={"SERVEMATRIX_EMULATOR_DIE_AFTER_REQUESTS": "3"})
+    _assert_failed(result, workdir, cfg, cell, "single exited with code", "while serving")
+
+
+def test_a_request_failure_inside_a_cell_is_a_row(tmp_path):
+    workdir, cfg, cell = _one_cell(tmp_path)
+    result = _snakemake(workdir, cell, env={"SERVEMATRIX_EMULATOR_FAIL_FRACTION": "0.5"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    ((table, _),) = _traces(workdir).values()
+    rows = table.to_pylist()
+    failed = [r for r in rows if not r["success"]]
+    assert 0 < len(failed) < len(rows)
+    assert all(r["error"] for r in failed)
+    _assert_clean(workdir, cfg)
+
+
+def _cell_job(workdir: Path) -> int:
+    """The pid of the Snakemake job running scripts/run_cell.py in ``workdir``."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+            if b"run_cell.py" in cmd and Path(os.readlink(proc / "cwd")) == workdir:
+                return int(proc.name)
+        except (OSError, ValueError):
+            continue
+    raise AssertionError("no cell job running")
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_interrupted_in_the_middle_of_a_cell(tmp_path, how):
+    cfg = _config(["nondisagg"], [2], num_prompts=400)  # ~200 s of requests
+    workdir = copy_workflow(tmp_path, cfg)
+    cell = config.load(cfg).all_cells()[0].path
+    run = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "1", cell],
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own group: "Ctrl-C" reaches snakemake and its job only
+    )
+    log = workdir / cell.replace("/cells/", "/logs/").replace(".parquet", ".log")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if log.is_file() and "fresh" in log.read_text():
+            break
+        assert run.poll() is None, run.stdout.read()[-3000:]
+        time.sleep(0.5)
+    else:
+        pytest.fail("the deployment never started")
+    time.sleep(3)  # requests in flight
+    if how == "SIGTERM":
+        # What Snakemake (or SLURM) does to a job it cancels: SIGTERM to the cell's process.
+        # (SIGTERM to Snakemake itself only makes it wait for the running job to finish.)
+        os.kill(_cell_job(workdir), signal.SIGTERM)
+    else:
+        os.killpg(run.pid, signal.SIGINT)
+    try:
+        output, _ = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode != 0
+    assert not (workdir / cell).exists(), output[-3000:]
+    _assert_clean(workdir, cfg)
