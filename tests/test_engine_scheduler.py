@@ -134,3 +134,103 @@ def test_request_larger_than_the_pool_is_rejected():
     s = make(blocks=2)
     with pytest.raises(ValueError, match="KV blocks"):
         s.add(Request(0, 100, 4))
+
+
+# --- Automatic prefix caching (V1) -------------------------------------------------------------
+
+
+def cached(budget=2048, blocks=10_000, caching=True) -> Scheduler:
+    config = SchedulerConfig("decode_first", True, budget, 256, 0.0, True, prefix_caching=caching)
+    return Scheduler(config, BlockPool(blocks))
+
+
+def run_to_end(scheduler: Scheduler) -> None:
+    while scheduler.has_work():
+        scheduler.complete(scheduler.schedule())
+
+
+def conserved(scheduler: Scheduler) -> bool:
+    """Every block is free, held by a request, or held by the prefix cache."""
+    pool = scheduler.pool
+    held = sum(r.num_blocks - r.shared_blocks for r in [*scheduler.running, *scheduler.waiting])
+    return pool.free_blocks + held + sum(pool.cached_blocks.values()) == pool.num_blocks
+
+
+def test_v1_caches_prefixes_by_default_and_v0_does_not():
+    assert scheduler_config("v1", None, 10_000, "A100-SXM4-80GB").prefix_caching
+    assert not scheduler_config("v0", None, 10_000, "A100-SXM4-80GB").prefix_caching
+
+
+def test_a_shared_prefix_hits_the_cache_and_random_prompts_do_not():
+    s = cached()
+    first = Request(0, 400, 2, prefix_group=7, prefix_tokens=200)
+    s.add(first)
+    assert s.schedule().new_tokens == [400]  # nothing cached yet: the whole prompt
+    run_to_end(s)
+    assert s.pool.cached_blocks == {7: 200 // 16} and conserved(s)
+    same = Request(1, 400, 2, prefix_group=7, prefix_tokens=200)
+    other = Request(2, 400, 2, prefix_group=8, prefix_tokens=200)
+    random = Request(3, 400, 2)
+    for request in (same, other, random):
+        s.add(request)
+    step = s.schedule()
+    # 12 full blocks (192 tokens) of the 200-token prefix are cached; the rest is computed.
+    assert step.requests == [same, other, random]
+    assert step.new_tokens == [400 - 192, 400, 400]
+    assert same.num_computed == 192 and same.shared_blocks == 12
+    run_to_end(s)
+    assert conserved(s)
+
+
+def test_without_prefix_caching_a_shared_prefix_is_computed_again():
+    s = cached(caching=False)
+    s.add(Request(0, 400, 2, prefix_group=7, prefix_tokens=200))
+    run_to_end(s)
+    s.add(Request(1, 400, 2, prefix_group=7, prefix_tokens=200))
+    assert s.schedule().new_tokens == [400] and not s.pool.cached_blocks
+
+
+def test_at_least_the_last_prompt_token_is_computed():
+    s = cached()
+    s.add(Request(0, 64, 2, prefix_group=1, prefix_tokens=64))
+    run_to_end(s)
+    s.add(Request(1, 64, 2, prefix_group=1, prefix_tokens=64))
+    assert s.schedule().new_tokens == [16]  # 3 of the 4 blocks hit: vLLM recomputes the last
+
+
+def test_a_preempted_request_is_readmitted_past_the_cached_prefix_and_finishes():
+    # 32 blocks: the cached prefix (20) leaves 12 for two requests growing to 7 own blocks each.
+    s = cached(budget=4096, blocks=32)
+    s.add(Request(0, 320, 1, prefix_group=3, prefix_tokens=320))
+    run_to_end(s)
+    assert s.pool.cached_blocks == {3: 20}
+    a = Request(1, 330, 100, prefix_group=3, prefix_tokens=320)
+    b = Request(2, 330, 100, prefix_group=3, prefix_tokens=320)
+    s.add(a)
+    s.add(b)
+    preempted: list[Request] = []
+    readmitted_new: list[int] = []
+    while s.has_work():
+        step = s.schedule()
+        preempted += step.preempted
+        for request, new in zip(step.requests, step.new_tokens, strict=True):
+            if request in preempted and request.num_generated and new > 1:
+                readmitted_new.append(new)
+        assert conserved(s)
+        s.complete(step)
+    victim = preempted[0]
+    assert victim.num_preemptions >= 1 and victim.num_generated == victim.max_tokens
+    # Recomputed after preemption: prompt + generated tokens beyond the 20 cached blocks.
+    assert readmitted_new and all(new < victim.prompt_tokens for new in readmitted_new)
+    assert conserved(s)
+
+
+def test_an_unused_cached_prefix_is_evicted_when_blocks_run_out():
+    s = cached(blocks=30)
+    s.add(Request(0, 320, 1, prefix_group=3, prefix_tokens=320))
+    run_to_end(s)
+    assert s.pool.cached_blocks == {3: 20} and s.pool.free_blocks == 10
+    big = Request(1, 400, 2)  # 25 blocks: only after evicting the unused prefix
+    s.add(big)
+    assert s.schedule().requests == [big]
+    assert not s.pool.cached_blocks and conserved(s)

@@ -139,9 +139,23 @@ class BlockPool:
 
     ``watermark_blocks`` is kept free when admitting a new prompt (V0's
     ``BlockSpaceManager`` watermark, 1 % of the pool; V1 has none).
+
+    Automatic prefix caching (V1's default): the full blocks of a shared prompt prefix (one
+    ``group`` per distinct prefix, e.g. the sonnet dataset's common preamble) stay in the pool
+    after the request that computed them, owned by the cache; later requests of the group use
+    them instead of computing and allocating them. Cached blocks that no running request uses
+    are evicted when an allocation would otherwise fail, as V1 evicts free cached blocks.
+    Prompts without a group (random token ids) never hit, as in vLLM.
     """
 
-    __slots__ = ("block_size", "free_blocks", "num_blocks", "watermark_blocks")
+    __slots__ = (
+        "block_size",
+        "cached_blocks",
+        "free_blocks",
+        "num_blocks",
+        "prefix_users",
+        "watermark_blocks",
+    )
 
     def __init__(
         self, num_blocks: int, block_size: int = BLOCK_SIZE_TOKENS, watermark: float = 0.0
@@ -152,17 +166,20 @@ class BlockPool:
         self.free_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
+        self.cached_blocks: dict[int, int] = {}  # prefix group -> blocks the cache holds
+        self.prefix_users: dict[int, int] = {}  # prefix group -> requests using its blocks
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def can_admit(self, blocks: int) -> bool:
         """Whether a new prompt needing ``blocks`` may be admitted (respects the watermark)."""
-        return self.free_blocks - blocks >= self.watermark_blocks
+        need = blocks + self.watermark_blocks
+        return self.free_blocks >= need or self._evict(need)
 
     def allocate(self, blocks: int) -> bool:
         """Take ``blocks`` if they are free; False (and nothing taken) otherwise."""
-        if blocks > self.free_blocks:
+        if blocks > self.free_blocks and not self._evict(blocks):
             return False
         self.free_blocks -= blocks
         return True
@@ -173,3 +190,29 @@ class BlockPool:
     @property
     def used_blocks(self) -> int:
         return self.num_blocks - self.free_blocks
+
+    # --- prefix cache ---------------------------------------------------------------------
+
+    def prefix_hit_blocks(self, group: int) -> int:
+        """Blocks of ``group``'s prefix the cache holds."""
+        return self.cached_blocks.get(group, 0)
+
+    def use_prefix(self, group: int) -> None:
+        self.prefix_users[group] = self.prefix_users.get(group, 0) + 1
+
+    def release_prefix(self, group: int) -> None:
+        self.prefix_users[group] -= 1
+
+    def cache_prefix(self, group: int, blocks: int) -> None:
+        """A request hands ``blocks`` more computed prefix blocks of ``group`` to the cache."""
+        self.cached_blocks[group] = self.cached_blocks.get(group, 0) + blocks
+
+    def _evict(self, need_free: int) -> bool:
+        """Free cached prefixes no running request uses until ``need_free`` blocks are free."""
+        for group, blocks in list(self.cached_blocks.items()):
+            if self.free_blocks >= need_free:
+                break
+            if blocks and not self.prefix_users.get(group):
+                self.free_blocks += blocks
+                del self.cached_blocks[group]
+        return self.free_blocks >= need_free

@@ -45,6 +45,7 @@ class SchedulerConfig:
     max_num_seqs: int
     watermark: float
     preempt_blocks_admission: bool  # V1: no admission in a step that preempted
+    prefix_caching: bool = False  # V1: automatic prefix caching (on by default)
 
     def __post_init__(self) -> None:
         if self.policy not in ("prefill_first", "decode_first"):
@@ -68,7 +69,8 @@ def scheduler_config(
     * ``v1`` (``EngineArgs._set_default_args_v1`` / ``get_batch_defaults``): chunked prefill on;
       for the API server 8192 tokens and 1024 sequences on GPUs with ≥ 70 GiB that are not A100
       (H100, H200), else 2048 and 256 (PR #17885 excludes A100). With chunked prefill off,
-      ``SchedulerConfig`` raises the budget to ``max(max_model_len, 2048)``.
+      ``SchedulerConfig`` raises the budget to ``max(max_model_len, 2048)``; automatic prefix
+      caching on (``--enable-prefix-caching`` is V1's default, off in V0 0.6.x).
 
     ``max_num_batched_tokens`` overrides the budget (``--max-num-batched-tokens``); as in vLLM's
     ``SchedulerConfig._verify_args``, without chunked prefill it may not be below
@@ -114,6 +116,7 @@ def _default_scheduler_config(
             max_num_seqs=seqs,
             watermark=0.0,
             preempt_blocks_admission=True,
+            prefix_caching=True,
         )
     raise ValueError(f"unknown recipe {recipe!r} (known: v0, v1)")
 
@@ -121,7 +124,12 @@ def _default_scheduler_config(
 @dataclass(slots=True, eq=False)
 class Request:
     """One request inside an instance. ``receive_ms`` > 0 marks a V0 KV consumer request whose
-    prompt KV is received inside the forward pass instead of computed, taking that long."""
+    prompt KV is received inside the forward pass instead of computed, taking that long.
+
+    ``prefix_group`` names the shared prefix of the prompt's first ``prefix_tokens`` tokens
+    (requests with the same group have the same tokens there, e.g. the sonnet dataset's
+    preamble); None for a prompt that shares nothing (random token ids). With prefix caching,
+    ``shared_blocks`` of the request's ``num_blocks`` belong to the cache, not to it."""
 
     request_id: int
     prompt_tokens: int
@@ -131,6 +139,9 @@ class Request:
     num_blocks: int = 0
     num_preemptions: int = 0
     receive_ms: float = 0.0
+    prefix_group: int | None = None
+    prefix_tokens: int = 0
+    shared_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -153,6 +164,7 @@ class Scheduler:
         self.config = config
         self._prefill_first = config.policy == "prefill_first"
         self.pool = pool
+        self._prefix_caching = config.prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -175,8 +187,7 @@ class Scheduler:
             self.waiting.remove(request)
         elif request in self.running:
             self.running.remove(request)
-        self.pool.free(request.num_blocks)
-        request.num_blocks = 0
+        self._release(request)
 
     def schedule(self) -> ScheduledStep:
         config = self.config
@@ -197,18 +208,19 @@ class Scheduler:
         Returns (requests that emitted a token, requests that finished)."""
         emitted: list[Request] = []
         finished: list[Request] = []
+        caching = self._prefix_caching
         for request, new in zip(step.requests, step.new_tokens, strict=True):
             request.num_computed += new
+            if caching and request.prefix_group is not None:
+                self._cache_computed_prefix(request)
             if request.num_computed == request.prompt_tokens + request.num_generated:
                 request.num_generated += 1
                 emitted.append(request)
                 if request.num_generated >= request.max_tokens:
                     finished.append(request)
         if finished:
-            pool = self.pool
             for request in finished:
-                pool.free(request.num_blocks)
-                request.num_blocks = 0
+                self._release(request)
             # Only the requests that just finished have all their tokens.
             self.running = [r for r in self.running if r.num_generated < r.max_tokens]
         return emitted, finished
@@ -253,10 +265,45 @@ class Scheduler:
                 finished.append(request)
         if finished:
             for request in finished:
-                pool.free(request.num_blocks)
-                request.num_blocks = 0
+                self._release(request)
             self.running = [r for r in self.running if r.num_generated < r.max_tokens]
         return finished
+
+    def _release(self, request: Request) -> None:
+        """Give a request's own blocks back to the pool; its cached prefix blocks stay cached."""
+        self.pool.free(request.num_blocks - request.shared_blocks)
+        if request.shared_blocks:
+            self.pool.release_prefix(request.prefix_group)
+            request.shared_blocks = 0
+        request.num_blocks = 0
+
+    def _use_cached_prefix(self, request: Request) -> None:
+        """At admission of a request with nothing computed: take the cached blocks of its prefix
+        group as computed (V1 recomputes at least the prompt's last token)."""
+        pool = self.pool
+        hit = min(
+            pool.prefix_hit_blocks(request.prefix_group),
+            request.prefix_tokens // pool.block_size,
+            (request.prompt_tokens + request.num_generated - 1) // pool.block_size,
+        )
+        if hit > 0:
+            pool.use_prefix(request.prefix_group)
+            request.num_computed = hit * pool.block_size
+            request.num_blocks = request.shared_blocks = hit
+
+    def _cache_computed_prefix(self, request: Request) -> None:
+        """Hand the request's newly computed full prefix blocks to the cache when they extend
+        what the cache holds (another request may have cached them meanwhile: then they stay
+        the request's own copies)."""
+        pool = self.pool
+        full = min(request.num_computed, request.prefix_tokens) // pool.block_size
+        cached = pool.prefix_hit_blocks(request.prefix_group)
+        if full <= request.shared_blocks or cached != request.shared_blocks:
+            return
+        if not request.shared_blocks:
+            pool.use_prefix(request.prefix_group)
+        pool.cache_prefix(request.prefix_group, full - cached)
+        request.shared_blocks = full
 
     def _grow(self, request: Request, new_tokens: int) -> bool:
         """Allocate the blocks ``request`` needs to hold ``new_tokens`` more tokens."""
@@ -271,8 +318,7 @@ class Scheduler:
 
     def _preempt_last(self, step: ScheduledStep) -> Request:
         victim = self.running.pop()
-        self.pool.free(victim.num_blocks)
-        victim.num_blocks = 0
+        self._release(victim)
         victim.num_computed = 0
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -310,6 +356,8 @@ class Scheduler:
         seats = config.max_num_seqs - len(self.running)
         while waiting and seats > 0:
             request = waiting[0]
+            if self._prefix_caching and request.prefix_group is not None and not request.num_blocks:
+                self._use_cached_prefix(request)
             num_tokens = request.prompt_tokens + request.num_generated
             need = num_tokens - request.num_computed
             blocks = pool.blocks_for(num_tokens) - request.num_blocks
@@ -334,6 +382,8 @@ class Scheduler:
         seats = config.max_num_seqs - len(self.running)
         while waiting and seats > 0 and budget > 0:
             request = waiting[0]
+            if self._prefix_caching and request.prefix_group is not None and not request.num_blocks:
+                self._use_cached_prefix(request)
             need = request.prompt_tokens + request.num_generated - request.num_computed
             if need > budget:
                 if not config.chunked_prefill:
