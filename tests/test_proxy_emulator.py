@@ -4,6 +4,7 @@ the v1 bootstrap/transfer_id flow, the v0 etcd/lookup-buffer flow, and faults.""
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
 import shutil
@@ -232,3 +233,24 @@ def test_decode_crash_mid_run_gives_failed_rows_and_a_clear_error(
     status, raw = get(urls["proxy"] + "/health")
     assert status == 503
     assert json.loads(raw)["upstreams"][urls["decode"]].startswith("unreachable")
+
+
+def test_client_gone_aborts_the_request_upstream(procs: Processes) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs.start("single", emulator(port, "v1", None), url)
+    proxy = procs.proxy("proxy", "round-robin", "--upstream", url)
+    connection = http.client.HTTPConnection("127.0.0.1", int(proxy.rsplit(":", 1)[1]), timeout=30)
+    headers = {"Content-Type": "application/json", "X-Request-Id": "gone"}
+    connection.request("POST", "/v1/completions", json.dumps(body(max_tokens=2000)), headers)
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # streaming has begun
+    connection.close()
+    deadline = time.monotonic() + 20
+    while server_log(url)["gone"]["outcome"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    entry = server_log(url)["gone"]
+    assert entry["outcome"] == "aborted"
+    assert len(entry["chunk_s"]) < 2000
+    assert "Traceback" not in procs.log("proxy")

@@ -190,16 +190,27 @@ class Proxy:
             await response.prepare(request)
             sse = upstream.content_type == "text/event-stream"
             at_boundary = True
-            try:
-                async for chunk in upstream.content.iter_any():
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    message = f"upstream {url} failed mid-response: {type(exc).__name__}: {exc}"
+                    log.warning("%s", message)
+                    if not (sse and at_boundary):
+                        raise  # cut the connection: the client sees a truncated body
+                    event = b"data: " + error_body(message, 502) + b"\n\ndata: [DONE]\n\n"
+                    await response.write(event)
+                    break
+                if not chunk:
+                    break
+                try:
                     await response.write(chunk)
-                    at_boundary = chunk.endswith(b"\n\n")
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                message = f"upstream {url} failed mid-response: {type(exc).__name__}: {exc}"
-                log.warning("%s", message)
-                if not (sse and at_boundary):
-                    raise  # cut the connection: the client sees a truncated body
-                await response.write(b"data: " + error_body(message, 502) + b"\n\ndata: [DONE]\n\n")
+                except ConnectionResetError:
+                    # The client went away. Closing the unfinished upstream response (below)
+                    # tells the server, which aborts the request, as it would without a proxy.
+                    upstream.close()
+                    return response
+                at_boundary = chunk.endswith(b"\n\n")
             await response.write_eof()
             return response
         finally:
