@@ -10,13 +10,18 @@ script
    stream starts where the simulator's does: both seed it with (seed, instance 0)), drives the
    same seeded workload through it with ``servematrix.loadgen`` (warm-up first, then the
    schedule), and reads the server's own timestamps from ``/servematrix/requests``;
-3. prints TTFT / TPOT / ITL mean, median and P99 both ways with the ratio emulator / simulator,
-   and the pacing error: how late each chunk left the server after the engine's step end
-   (``chunk_s - token_due_s``), and how much later the client saw it.
+3. prints TTFT / TPOT / ITL mean, median and P99 with the ratio emulator / simulator,
+   twice: as the client saw them, and from the emulator's own timestamps (request headers
+   read -> chunk written, which leaves out the client and the HTTP path);
+4. prints the pacing errors: how late each chunk left the server after its engine step's end
+   (``chunk_s - token_due_s``), how much later the client read it, how long a request took from
+   the client's send to the server; and replays the engine in virtual time on the arrivals the
+   emulator saw, counting the requests whose every token was due exactly when the replay says.
 
 The simulator is the ground truth; the target is ratios within a few percent. Differences come
-from the wall clock only: the client's send lag and the HTTP hop shift arrivals by about a
-millisecond, which can move a request into a different step than in virtual time.
+from the wall clock only: the client's send lag and the HTTP path shift each arrival by a few
+milliseconds, which can move a request into a later step than in virtual time (the replay shows
+the engine itself is reproduced), and a chunk leaves a millisecond or two after its step ends.
 
 Usage (from the repository root)::
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -42,6 +48,8 @@ from servematrix import loadgen
 from servematrix.cell import identity
 from servematrix.config import MODES, Cell, Serving, Workload, load_file
 from servematrix.engine.architecture import load_architecture
+from servematrix.engine.scheduler import Request
+from servematrix.engine.setup import build_engine_setup
 from servematrix.metrics import CellMetrics, compute
 from servematrix.simulate import simulate
 from servematrix.trace import RequestRecord, to_table
@@ -65,6 +73,8 @@ class Emulated:
     write_lag_ms: np.ndarray  # chunk written - its last token's engine step end
     read_lag_ms: np.ndarray  # chunk received by the client - written
     arrival_ms: np.ndarray  # request headers read by the server - client send
+    replay_exact: int  # requests whose every token is due when a virtual-time replay says
+    replay_max_ms: float  # largest |due - replayed| over every token
 
 
 def cell_for(model_name: str, qps: float, num_prompts: int) -> Cell:
@@ -120,12 +130,44 @@ def emulate(cell: Cell) -> Emulated:
         _, stderr = server.communicate(timeout=30)
     if server.returncode not in (0, -15):
         raise RuntimeError(f"emulator failed ({server.returncode}): {stderr[-2000:]}")
-    return emulated(result, server_log)
+    return emulated(cell, result, server_log)
 
 
-def emulated(result: loadgen.RunResult, server_log: dict) -> Emulated:
+def replay(cell: Cell, entries: list[dict]) -> list[list[float]]:
+    """The engine in virtual time, fed the arrivals the emulator saw (its own timestamps):
+    each request joins the first step starting at or after its arrival, as in the emulator's
+    loop. Returns every request's token times (monotonic seconds), in ``entries`` order."""
+    setup = build_engine_setup(
+        cell.model.architecture,
+        quantization=cell.model.quantization,
+        tensor_parallel=cell.model.tensor_parallel,
+        recipe=cell.recipe,
+        chunked_prefill=cell.mode.chunked_prefill,
+        max_model_len=cell.serving.max_model_len,
+        gpu_memory_utilization=cell.serving.gpu_memory_utilization,
+        gpu=GPU,
+    )
+    instance = setup.instance(cell.workload.seed, 0)
+    order = sorted(range(len(entries)), key=lambda k: entries[k]["arrival_s"])
+    due: list[list[float]] = [[] for _ in entries]
+    clock, i = -np.inf, 0
+    while i < len(order) or instance.has_work():
+        if not instance.has_work():
+            clock = max(clock, entries[order[i]]["arrival_s"])
+        while i < len(order) and entries[order[i]]["arrival_s"] <= clock:
+            entry = entries[order[i]]
+            instance.add_request(Request(order[i], entry["prompt_tokens"], entry["max_tokens"]))
+            i += 1
+        result = instance.step()
+        clock += result.duration_s
+        for request in result.emitted:
+            due[request.request_id].append(clock)
+    return due
+
+
+def emulated(cell: Cell, result: loadgen.RunResult, server_log: dict) -> Emulated:
     origin = result.origin_monotonic_s
-    server_records, write, read, arrival = [], [], [], []
+    server_records, write, read, arrival, entries = [], [], [], [], []
     for record in result.records:
         entry = server_log[f"{result.request_id_prefix}-{record.request_id}"]
         written = np.array(entry["chunk_s"])
@@ -134,6 +176,7 @@ def emulated(result: loadgen.RunResult, server_log: dict) -> Emulated:
         if len(record.chunk_s) == len(written):
             read.append(np.array(record.chunk_s) + origin - written)
         arrival.append(entry["arrival_s"] - (record.sent_s + origin))
+        entries.append(entry)
         chunks = (written - origin).tolist()
         server_records.append(
             replace(
@@ -145,12 +188,18 @@ def emulated(result: loadgen.RunResult, server_log: dict) -> Emulated:
                 chunk_tokens=entry["chunk_tokens"],
             )
         )
+    errors = [
+        np.abs(np.array(entry["token_due_s"]) - np.array(replayed))
+        for entry, replayed in zip(entries, replay(cell, entries), strict=True)
+    ]
     return Emulated(
         result.records,
         server_records,
         np.concatenate(write) * 1e3,
         np.concatenate(read) * 1e3,
         np.array(arrival) * 1e3,
+        sum(bool(e.max() < 1e-9) for e in errors),
+        max(e.max() for e in errors) * 1e3,
     )
 
 
@@ -195,6 +244,7 @@ def main() -> None:
         f"emulator vs simulator: recipe v0, {GPU}, single instance, input 1024, output 6, "
         f"{num_prompts} prompts (+1 warm-up), seed 0; cells are simulator / emulator / ratio (ms)"
     )
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
     header = ["model", "qps"] + [f"{m} {s}" for m in METRICS for s in STATS]
     client_rows, server_rows, pacing_rows = [], [], []
     worst = {"client": 0.0, "server": 0.0}
@@ -221,6 +271,7 @@ def main() -> None:
                     percentiles(run.read_lag_ms),
                     percentiles(run.arrival_ms),
                     f"{client.send_lag_p99_ms:.2f}",
+                    f"{run.replay_exact}/{len(run.client)}, {run.replay_max_ms:.2f}",
                     str(client.failed),
                     f"{elapsed:.0f}",
                 ]
@@ -241,11 +292,13 @@ def main() -> None:
             "chunk received - written",
             "request read - client send",
             "send lag P99",
+            "engine replay: exact, max diff ms",
             "failed",
             "wall s",
         ],
         pacing_rows,
     )
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
     print(
         f"\nlargest |ratio - 1| over every metric and cell: client-observed "
         f"{worst['client'] * 100:.1f} %, server-side {worst['server'] * 100:.1f} %"

@@ -381,3 +381,20 @@ def test_client_disconnect_frees_the_request():
             time.sleep(0.05)
     assert log["outcome"] == "aborted" and len(log["chunk_s"]) < 100
     assert metrics[running] == 0
+
+
+def test_emulator_vs_simulator_benchmark_smoke():
+    """The comparison script runs end to end, and the emulator's token due times are exactly
+    what the engine gives in virtual time for the arrivals it saw (every request of both
+    shapes)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "emulator_vs_simulator.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--num-prompts", "6", "--qps", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "server-side (the emulator's own timestamps" in done.stdout
+    replay_cells = [line for line in done.stdout.splitlines() if "| 7/7, 0.00 |" in line]
+    assert len(replay_cells) == 2
