@@ -241,7 +241,8 @@ def test_engine_and_serving_knobs_are_validated_with_key_paths():
     raw["defaults"] = {"enforce_eager": "yes"}
     with pytest.raises(ConfigError, match=r"defaults\.enforce_eager"):
         load(raw)
-    raw["defaults"] = {"max_num_batched_tokens": 512}
+    # Below max_model_len only with chunked prefill (vLLM refuses it otherwise).
+    raw["defaults"] = {"max_num_batched_tokens": 512, "max_model_len": 512}
     cell = load(raw).all_cells()[0]
     assert cell.serving.max_num_batched_tokens == 512 and cell.serving.enforce_eager is False
 
