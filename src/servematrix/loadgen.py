@@ -42,7 +42,7 @@ import resource
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from typing import TYPE_CHECKING, Any, TextIO
@@ -369,8 +369,11 @@ class _OpenAISender:
             await response.aclose()
 
 
+Sender = Callable[[bytes, dict[str, str], StreamParser], Awaitable[None]]
+
+
 async def _stream(
-    send: Any, body: bytes, headers: dict[str, str], timeout_s: float
+    send: Sender, body: bytes, headers: dict[str, str], timeout_s: float
 ) -> StreamParser:
     """Send one request now and consume its stream; never raises (errors go into the result)."""
     out = StreamParser()
@@ -576,7 +579,7 @@ async def run_requests(
         openai_client = None
         if settings.client == "openai":
             openai_client = _openai_client(settings, max_in_flight)
-            send: Any = _OpenAISender(openai_client)
+            send: Sender = _OpenAISender(openai_client)
         else:
             send = _AiohttpSender(session, settings)
         try:
@@ -589,7 +592,7 @@ async def run_requests(
 
 
 async def _run(
-    send: Any,
+    send: Sender,
     settings: ClientSettings,
     warmups: list[RequestSpec],
     measured: list[RequestSpec],
