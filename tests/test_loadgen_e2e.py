@@ -155,7 +155,9 @@ def test_qps_inf_with_a_concurrency_cap_and_injected_failures():
     cut = [r for r in failed if not r.error.startswith("HTTP 500")]
     assert http and cut and len(failed) < 40
     assert all(not r.chunk_s and r.first_token_s is None for r in http)
-    assert all(len(r.chunk_s) == 2 for r in cut)  # what arrived before the cut is kept
+    # What arrived before the cut is kept (the second chunk may still be in the server's
+    # buffer when it aborts the connection).
+    assert all(len(r.chunk_s) <= 2 for r in cut) and any(len(r.chunk_s) == 2 for r in cut)
     ok = [r for r in records if r.success]
     assert all(r.completion_tokens == 4 and r.prompt_tokens == 300 for r in ok)
     assert all(sum(r.chunk_tokens) == 4 and len(r.chunk_s) == len(r.chunk_tokens) for r in ok)
