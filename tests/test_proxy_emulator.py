@@ -11,6 +11,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -129,7 +130,13 @@ def etcd_binary() -> str:
     return found
 
 
-def start_v0(procs: Processes, tmp_path: Path, *decode_flags: str, etcd: bool = True) -> dict:
+def start_v0(
+    procs: Processes,
+    tmp_path: Path,
+    *decode_flags: str,
+    etcd: bool = True,
+    kv_buffer_size: float = 2e9,
+) -> dict:
     ports = {name: free_port() for name in ("prefill", "decode", "etcd", "peer")}
     base = free_port()
     urls = {name: f"http://127.0.0.1:{ports[name]}" for name in ("prefill", "decode", "etcd")}
@@ -149,7 +156,11 @@ def start_v0(procs: Processes, tmp_path: Path, *decode_flags: str, etcd: bool = 
     }
     (tmp_path / "mooncake.json").write_text(json.dumps(config))
     env = {**os.environ, "MOONCAKE_CONFIG_PATH": str(tmp_path / "mooncake.json")}
-    kv = {"kv_connector": "MooncakeConnector", "kv_parallel_size": 2, "kv_buffer_size": 2e9}
+    kv = {
+        "kv_connector": "MooncakeConnector",
+        "kv_parallel_size": 2,
+        "kv_buffer_size": kv_buffer_size,
+    }
     producer = {**kv, "kv_role": "kv_producer", "kv_rank": 0}
     consumer = {**kv, "kv_role": "kv_consumer", "kv_rank": 1}
     procs.start("prefill", emulator(ports["prefill"], "v0", producer), urls["prefill"], env=env)
@@ -192,6 +203,26 @@ def test_v0_pair_registers_in_etcd_and_receives_inside_the_step(
     assert "Failed to receive all KVs and hidden states, redo model forwarding" in procs.log(
         "decode"
     )
+
+
+def test_v0_full_lookup_buffer_holds_the_prefill_back(procs: Processes, tmp_path: Path) -> None:
+    # One entry (512 tokens, ~33 MB per rank) overfills 1 MB: the second request's insert
+    # waits until the first request's receive step has ended, and its prefill output with it.
+    # (Two prompts in one prefill batch would wait for each other forever, as in vLLM: the
+    # second is sent once the first's prefill step has begun.)
+    urls = start_v0(procs, tmp_path, kv_buffer_size=1e6)
+
+    def send(key: str) -> int:
+        if key == "b":
+            time.sleep(0.02)
+        return post(urls["proxy"] + "/v1/completions", body(), {"X-Request-Id": key})[0]
+
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(send, ["a", "b"])) == [200, 200]
+    assert "KV lookup buffer full" in procs.log("prefill")
+    prefill, decode = server_log(urls["prefill"]), server_log(urls["decode"])
+    assert prefill["b"]["arrival_s"] < prefill["a"]["token_due_s"][0]  # during a's prefill step
+    assert prefill["b"]["token_due_s"][0] >= decode["a"]["token_due_s"][0]
 
 
 def test_v0_without_etcd_fails_at_start_up_naming_etcd(procs: Processes, tmp_path: Path) -> None:

@@ -46,8 +46,9 @@ moves (``simulate._Disaggregated``), so the emulator and the simulator agree on 
   /servematrix/copy_chain``, answered when done; the two processes share one host's monotonic
   clock); the consumer's step ends after it, the rest of the receive and its compute.
 
-Approximation against the simulator (v0 only): the lookup buffer has no capacity limit (the
-simulator stalls the producer's prefill on a full ``kv_buffer_size``).
+  The lookup buffer holds ``kv_buffer_size`` bytes (per rank); an insert into a full buffer
+  waits, holding the producer's outputs and next step back, until a consumer step that
+  received entries ends (``POST /servematrix/release``), as the simulator's producer stalls.
 """
 
 from __future__ import annotations
@@ -74,13 +75,15 @@ from servematrix.emulator.pacing import TokenStream, WallClockEngine
 from servematrix.engine.architecture import Architecture
 from servematrix.engine.instance import StepResult
 from servematrix.engine.kvcache import kv_bytes_per_token_per_gpu
-from servematrix.engine.transfer import KvLink, TransferLink, kv_link
+from servematrix.engine.transfer import KvLink, LookupBuffer, TransferLink, kv_link
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 DEFAULT_ABORT_TIMEOUT_S = 480.0
 """``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``: how long a producer keeps KV nobody pulled, and so
 how long a pull may wait for its prefill."""
 ETCD_RETRY_S = 10.0
+DEFAULT_KV_BUFFER_BYTES = 1e9
+"""vLLM 0.6's ``KVTransferConfig.kv_buffer_size`` default (the recipe passes 2e9)."""
 
 
 def _say(message: str) -> None:
@@ -380,23 +383,31 @@ class MooncakeV0(KvConnector):
         bytes_per_token_per_rank: float,
         config: Mapping[str, Any],
         config_path: str,
+        kv_buffer_bytes: float,
     ):
         super().__init__(role, link, bytes_per_token_per_rank)
         self.config = config
         self.config_path = config_path
         self.etcd = _etcd_url(str(config["metadata_server"]), config_path)
         self.own_url = str(config["prefill_url" if role == "kv_producer" else "decode_url"])
-        self.buffer: dict[str, deque[int]] = defaultdict(deque)  # prompt key -> prompt tokens
+        # Producer: the lookup buffer, its entries by prompt (prompt tokens), and the prompt
+        # of each prefill in the engine, by engine request id, until its step ends.
+        self.lookup = LookupBuffer(kv_buffer_bytes)
+        self.buffer: dict[str, deque[int]] = defaultdict(deque)
+        self._prefills: dict[int, tuple[str, int]] = {}
+        self._freed = asyncio.Event()
         self._producer: str | None = None
-        # Consumer: (receive, producer's share) seconds of each request whose KV it found,
-        # by body until it is submitted, then by engine request id until its step runs.
-        self._found: dict[int, tuple[float, float]] = {}
-        self._receives: dict[int, tuple[float, float]] = {}
+        # Consumer: (receive s, producer's share s, bytes per rank) of each request whose KV
+        # it found, by body until it is submitted, then by engine request id until its step.
+        self._found: dict[int, tuple[float, float, float]] = {}
+        self._receives: dict[int, tuple[float, float, float]] = {}
 
     def attach(self, engine: WallClockEngine) -> None:
         super().attach(engine)
         if self.role == "kv_consumer":
             engine.receive_hook = self._receive_step
+        else:
+            engine.release_hook = self._insert_finished
 
     async def start(self) -> None:
         await super().start()
@@ -405,6 +416,7 @@ class MooncakeV0(KvConnector):
             app = web.Application(client_max_size=1 << 30)
             app.router.add_post("/servematrix/drop_select", self._drop_select)
             app.router.add_post("/servematrix/copy_chain", self._copy_chain)
+            app.router.add_post("/servematrix/release", self._release)
             await self._listen(app, host, port, "the Mooncake transfer engine (prefill_url)")
         segment = {
             "name": self.own_url,
@@ -456,6 +468,36 @@ class MooncakeV0(KvConnector):
             del self.buffer[key]
         return web.json_response({"found": True, "prompt_tokens": prompt_tokens})
 
+    async def _insert_finished(self, result: StepResult, end_s: float) -> float:
+        """Producer, at the end of each step: put the KV of the prefills it finished into the
+        lookup buffer. While the buffer is full the inserts wait (``SimpleBuffer.insert``
+        spins) and so do the step's outputs and the next step, as the simulator's producer
+        stalls. Returns the instant the outputs leave."""
+        stalled = False
+        for request in result.finished:
+            entry = self._prefills.pop(request.request_id, None)
+            if entry is None:
+                continue
+            key, tokens = entry
+            while not self.lookup.try_insert(self.bytes_per_token_per_rank * tokens):
+                if not stalled:
+                    _say(
+                        f"WARNING KV lookup buffer full ({self.lookup.used_bytes:.3g} bytes, "
+                        f"kv_buffer_size {self.lookup.capacity_bytes:.3g}): prefill waits"
+                    )
+                    stalled = True
+                self._freed.clear()
+                await self._freed.wait()
+            self.buffer[key].append(tokens)
+        return max(end_s, time.monotonic()) if stalled else end_s
+
+    async def _release(self, request: web.Request) -> web.Response:
+        """The consumer's step that received entries has ended: their bytes leave the buffer
+        (``drop_select`` removed them)."""
+        self.lookup.release(float((await request.json())["bytes"]))
+        self._freed.set()
+        return web.json_response({"used_bytes": self.lookup.used_bytes})
+
     async def _copy_chain(self, request: web.Request) -> web.Response:
         """The producer's share of one receive (``KvLink.v0_producer_s``): ``seconds`` of work
         from ``start_s`` that advance only while this instance's engine is between steps
@@ -501,10 +543,23 @@ class MooncakeV0(KvConnector):
                 ids.append(request_id)
         costs = [self._receives.pop(i) for i in ids[: result.num_received]]
         t = start_s
-        for receive_s, producer_s in costs:
+        for receive_s, producer_s, _ in costs:
             t = await self._producer_share(t, producer_s)
             t += receive_s - producer_s
-        return t + result.duration_s - sum(receive_s for receive_s, _ in costs)
+        end_s = t + result.duration_s - sum(receive_s for receive_s, _, _ in costs)
+        self._spawn(self._release_at(end_s, sum(nbytes for _, _, nbytes in costs)))
+        return end_s
+
+    async def _release_at(self, end_s: float, nbytes: float) -> None:
+        """Free the received entries' bytes in the producer's buffer when the step ends."""
+        await asyncio.sleep(max(end_s - time.monotonic(), 0.0))
+        assert self.session is not None
+        url = (await self._producer_url()) + "/servematrix/release"
+        try:
+            async with self.session.post(url, json={"bytes": nbytes}) as response:
+                await response.read()
+        except aiohttp.ClientError as error:
+            _say(f"WARNING releasing {nbytes:.3g} bytes at {url} failed: {error}")
 
     async def _producer_share(self, start_s: float, seconds: float) -> float:
         assert self.session is not None
@@ -525,14 +580,8 @@ class MooncakeV0(KvConnector):
             if costs is not None:
                 self._receives[stream.request.request_id] = costs
             return
-        key = prompt_key(body.get("prompt"))
-        tokens = stream.request.prompt_tokens
-
-        def insert(s: TokenStream) -> None:
-            if s.due_s:
-                self.buffer[key].append(tokens)
-
-        self._after_prefill(stream, insert)
+        request = stream.request
+        self._prefills[request.request_id] = (prompt_key(body.get("prompt")), request.prompt_tokens)
 
     async def before_submit(
         self, body: Mapping[str, Any], prompt_tokens: int, arrival_s: float
@@ -556,7 +605,7 @@ class MooncakeV0(KvConnector):
             return arrival_s, {}
         per_rank = self.bytes_per_token_per_rank * prompt_tokens
         receive_s = self.link.v0_receive_s(per_rank)
-        self._found[id(body)] = (receive_s, self.link.v0_producer_s(per_rank))
+        self._found[id(body)] = (receive_s, self.link.v0_producer_s(per_rank), per_rank)
         return arrival_s, {"receive_ms": receive_s * 1e3}
 
     async def _producer_url(self) -> str:
@@ -651,7 +700,9 @@ def connector(
     if missing:
         raise KvTransferError(f"{path}: missing {', '.join(missing)}")
     protocol = config.get("protocol", "tcp")
-    return MooncakeV0(role, _link("v0", protocol, tensor_parallel), per_token, config, path)
+    buffer_bytes = float(kv_transfer_config.get("kv_buffer_size", DEFAULT_KV_BUFFER_BYTES))
+    link = _link("v0", protocol, tensor_parallel)
+    return MooncakeV0(role, link, per_token, config, path, buffer_bytes)
 
 
 def _link(recipe: str, protocol: str, tp: int) -> KvLink:

@@ -67,10 +67,13 @@ class WallClockEngine:
         self._aborted: list[TokenStream] = []
         self._wake = asyncio.Event()
         # Disaggregated roles (emulator.disagg): a v0 KV producer's copy chain advances only
-        # between its steps, so it reads the recent steps; a v0 consumer's step that receives
-        # KV ends when the hook says (its receive waits for the producer's share).
+        # between its steps, so it reads the recent steps, and its step's outputs leave when
+        # the release hook says (a full lookup buffer holds them and the next step back); a v0
+        # consumer's step that receives KV ends when the receive hook says (its receive waits
+        # for the producer's share).
         self.recent_steps: deque[tuple[float, float]] = deque(maxlen=RECENT_STEPS)
         self.receive_hook: Callable[[float, StepResult], Awaitable[float]] | None = None
+        self.release_hook: Callable[[StepResult, float], Awaitable[float]] | None = None
 
     @property
     def num_running(self) -> int:
@@ -131,6 +134,8 @@ class WallClockEngine:
             delay = end_s - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if self.release_hook is not None:
+                end_s = await self.release_hook(result, end_s)
             self._release(result.emitted, result.finished, end_s, result.num_preempted)
             start_s = last_end_s = end_s
 
