@@ -21,15 +21,16 @@ the JSON body names each upstream's state.
   polling must not change which instance the first inference request reaches, since the
   simulator assumes the first warm-up takes the first slot (``simulate.round_robin_targets``).
 * ``disagg-v0`` is the 0.6.x ``disagg_prefill_proxy_server.py`` (§9): a copy of the request with
-  ``max_tokens`` 1 goes to the prefiller and is drained, then the unmodified request goes to the
-  decoder and its response is streamed back. Unlike the original (which sent the decode anyway
+  ``max_tokens`` 1 (the client's bytes with ``"max_tokens":1`` appended, :func:`with_members`)
+  goes to the prefiller and is drained, then the unmodified request goes to the decoder and its
+  response is streamed back. Unlike the original (which sent the decode anyway
   and answered 200 with an empty body), a failed prefill fails the request: the client gets an
   error naming the prefill instance and its answer, and the decoder never sees the request.
 * ``disagg-v1`` is vLLM 0.33's ``mooncake_connector_proxy.py`` (§8): at start it waits for each
   prefiller's ``/health``, then learns its engine ids from the bootstrap server's ``/query``
   (503 until then). Per request it mints ``transfer_id = "xfer-<uuid4>"``, sends the prefill
-  (``kv_transfer_params`` with ``do_remote_decode``, ``stream`` false, ``max_tokens`` 1, no
-  ``stream_options``) without waiting for it, and at once streams the decode request
+  (``kv_transfer_params`` with ``do_remote_decode``, ``stream`` false, ``max_tokens`` 1,
+  ``stream_options`` null) without waiting for it, and at once streams the decode request
   (``do_remote_prefill``, ``remote_bootstrap_addr``, ``remote_engine_id``, ``transfer_id``). The
   decoder pulls the KV when the prefill has produced it. Differences from the original, all
   outside the KV protocol: the changed members are appended to the client's JSON bytes rather
@@ -45,7 +46,8 @@ All proxies share one pooled upstream client (keep-alive connections, no connect
 total timeout, no decompression), so a request costs no connection set-up. If an upstream dies
 in the middle of a streamed (SSE) response, the client gets one ``data: {"error": ...}`` event
 naming the upstream, then ``data: [DONE]`` (vLLM's own shape for errors after the 200 header);
-mid-way through any other body, the connection is cut.
+mid-way through any other body, the connection is cut. A client that goes away closes the
+upstream response, so the server aborts the request as it would without the proxy.
 """
 
 from __future__ import annotations
