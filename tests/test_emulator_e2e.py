@@ -398,3 +398,36 @@ def test_emulator_vs_simulator_benchmark_smoke():
     assert "server-side (the emulator's own timestamps" in done.stdout
     replay_cells = [line for line in done.stdout.splitlines() if "| 7/7, 0.00 |" in line]
     assert len(replay_cells) == 2
+
+
+def test_sigterm_with_a_stream_in_flight_exits_promptly():
+    """A stopped deployment must not linger: SIGTERM cuts open streams after a short grace
+    (aiohttp would otherwise wait 60 s for them)."""
+
+    async def stream_until_cut(url: str) -> bytes:
+        async with aiohttp.ClientSession() as session:
+            body = stream_body([1, 2, 3], 3000)
+            async with session.post(f"{url}/v1/completions", json=body) as response:
+                received = b""
+                try:
+                    async for data in response.content.iter_any():
+                        received += data
+                except aiohttp.ClientError:
+                    pass
+                return received
+
+    with emulator() as (url, process):
+
+        async def run() -> tuple[bytes, float]:
+            task = asyncio.create_task(stream_until_cut(url))
+            await asyncio.sleep(0.5)
+            process.terminate()
+            started = time.monotonic()
+            received = await task
+            while process.poll() is None and time.monotonic() - started < 30:
+                await asyncio.sleep(0.05)
+            return received, time.monotonic() - started
+
+        received, exit_s = asyncio.run(run())
+        assert process.poll() == 0
+    assert exit_s < 10 and b"[DONE]" not in received and received.startswith(b"data: ")

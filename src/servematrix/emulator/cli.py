@@ -38,6 +38,7 @@ from servematrix.engine.setup import (
 from servematrix.workload import TokenCounter
 
 PROG = "servematrix-emulator"
+SHUTDOWN_GRACE_S = 1.0
 NODE_GPUS = 8
 """GPUs of the modelled node when ``CUDA_VISIBLE_DEVICES`` is unset (the studies' 8-GPU hosts)."""
 
@@ -281,8 +282,13 @@ async def serve(args: argparse.Namespace, setup: EngineSetup, settings: ServerSe
     engine_task = asyncio.create_task(engine.run())
     await asyncio.sleep(args.startup_delay_s)  # "loading the model": the port stays closed
     kv = await _start_kv_connector(args, setup, engine)
+    # On SIGTERM, streams still in flight are cut after a second (the engine is gone) instead
+    # of aiohttp's 60 s grace: a stopped deployment must not linger.
     runner = web.AppRunner(
-        Emulator(settings, engine, kv).app(), access_log=None, handle_signals=False
+        Emulator(settings, engine, kv).app(),
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     await runner.setup()
     host = args.host or "0.0.0.0"
