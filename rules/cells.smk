@@ -1,5 +1,13 @@
 # One job per cell: deploy (or simulate), drive the workload, write one Parquet trace.
-from servematrix.deploy.order import deployment_priority, stop_deployments
+import atexit
+
+from servematrix.deploy.order import (
+    deployment_group,
+    deployment_groups,
+    deployment_priority,
+    pinned_gpu_count,
+    stop_deployments,
+)
 
 
 def cell_conda_env(wildcards):
@@ -7,6 +15,29 @@ def cell_conda_env(wildcards):
     if wildcards.backend == "vllm":
         return f"../envs/vllm-{wildcards.recipe}.yaml"
     return "../envs/servematrix.yaml"
+
+
+def cell_group(wildcards):
+    """On a cluster every cell of one deployment goes into one job (one group, all of its
+    components merged), so the deployment starts once per job and warm reuse holds there too.
+    Locally cells stay separate jobs: priorities and the deployment registry keep them
+    together. (Evaluated while the DAG is built, when the executor is known.)"""
+    if workflow.local_exec:
+        return None
+    settings = workflow.group_settings
+    names = deployment_groups(SB)
+    merged = dict(settings.group_components or {})
+    if names[0] not in merged:
+        merged.update({name: len(SB.all_cells()) for name in names})
+        settings.group_components = merged
+    return deployment_group(SB, CELL_PATTERN.format(**dict(wildcards.items())))
+
+
+def cell_gpus(wildcards):
+    """GPUs to request from the scheduler (SLURM --gpus): the deployment's pins, on vllm."""
+    if wildcards.backend != "vllm":
+        return 0
+    return pinned_gpu_count(SB, CELL_PATTERN.format(**dict(wildcards.items())))
 
 
 def cell_priority(wildcards):
@@ -22,6 +53,9 @@ rule cell:
     params:
         cell=get_cell,
     priority: cell_priority
+    group: cell_group
+    resources:
+        gpu=cell_gpus,
     conda:
         cell_conda_env
     script:
@@ -29,7 +63,12 @@ rule cell:
 
 
 # Warm deployments outlive their cells: the run's end stops them (and their idle watchdog
-# would, a little later, if Snakemake itself is killed).
+# would, a little later, if Snakemake itself is killed). A cluster job (a group of cells on a
+# compute node) runs without these hooks, so it stops its own deployments when it exits.
+if workflow.remote_exec:
+    atexit.register(stop_deployments, SB)
+
+
 onsuccess:
     stop_deployments(SB)
 

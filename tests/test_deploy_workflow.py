@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -163,6 +164,34 @@ def test_study_runs_every_mode_and_starts_each_deployment_once(tmp_path):
     _assert_clean(workdir, cfg)
 
 
+def test_disaggregated_modes_on_both_recipes_with_a_real_etcd(tmp_path):
+    cfg = _config(["mooncake-rdma", "mooncake-tcp"], [4, 8])
+    cfg["studies"]["mooncake-v1"] = {**cfg["studies"]["mooncake"], "recipe": "v1"}
+    workdir = copy_workflow(tmp_path, cfg)
+    result = _snakemake(workdir, "all")
+    assert result.returncode == 0, result.stderr[-3000:]
+    traces = _traces(workdir)
+    assert len(traces) == 8
+    started: dict[str, list[str]] = {}
+    for path, (table, meta) in traces.items():
+        deployment = meta["deployment"]
+        assert all(table.column("success").to_pylist()), path
+        names = [p["name"] for p in deployment["processes"]]
+        if "/v0/" in path:
+            assert names == ["etcd", "prefill", "decode", "proxy"]
+            assert json.loads(deployment["files"]["mooncake.json"])["protocol"] in path
+        else:
+            assert names == ["prefill", "decode", "proxy"]
+        started.setdefault(deployment["fingerprint"], []).append(deployment["started"])
+    assert sorted(map(sorted, started.values())) == [["fresh", "reused"]] * 4
+    # the v0 instances registered their transfer-engine segments in the deployment's etcd
+    logs = workdir / "results/emulator/logs/deployments/v0"
+    for role in ("prefill", "decode"):
+        for log in logs.glob(f"*/mooncake-*/{role}.log"):
+            assert "registered at etcd http://127.0.0.1:" in log.read_text(), log
+    _assert_clean(workdir, cfg)
+
+
 def test_a_single_requested_cell_starts_measures_and_stops(tmp_path):
     cfg = _config(["chunked"], [4, 8])
     workdir = copy_workflow(tmp_path, cfg)
@@ -226,7 +255,7 @@ def test_a_port_already_taken(tmp_path):
 
 def test_a_gpu_lock_held_by_another_cell(tmp_path):
     workdir, cfg, cell = _one_cell(tmp_path, gpu_lock_timeout_s=2)
-    locks = workdir / ".servematrix" / "emulator" / "gpu-locks"
+    locks = workdir / ".servematrix" / "emulator" / socket.gethostname() / "gpu-locks"
     locks.mkdir(parents=True)
     (locks / "gpu0.holder").write_text("pid 99: results/emulator/cells/other.parquet\n")
     fd = os.open(locks / "gpu0.lock", os.O_CREAT | os.O_RDWR)
@@ -270,9 +299,22 @@ def _cell_job(workdir: Path) -> int:
     raise AssertionError("no cell job running")
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def _pid_with(text: str) -> int:
+    """The pid of the live process whose command line contains ``text``."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if proc.name.isdigit() and text in cmd + " ":
+            return int(proc.name)
+    raise AssertionError(f"no process with {text!r}")
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "decode crash", "etcd death"])
 def test_interrupted_in_the_middle_of_a_cell(tmp_path, how):
-    cfg = _config(["nondisagg"], [2], num_prompts=400)  # ~200 s of requests
+    mode = "mooncake-tcp" if how in ("decode crash", "etcd death") else "nondisagg"
+    cfg = _config([mode], [2], num_prompts=400)  # ~200 s of requests
     workdir = copy_workflow(tmp_path, cfg)
     cell = config.load(cfg).all_cells()[0].path
     run = subprocess.Popen(
@@ -297,8 +339,12 @@ def test_interrupted_in_the_middle_of_a_cell(tmp_path, how):
         # What Snakemake (or SLURM) does to a job it cancels: SIGTERM to the cell's process.
         # (SIGTERM to Snakemake itself only makes it wait for the running job to finish.)
         os.kill(_cell_job(workdir), signal.SIGTERM)
-    else:
+    elif how == "Ctrl-C":
         os.killpg(run.pid, signal.SIGINT)
+    elif how == "decode crash":
+        os.kill(_pid_with(f"--port {cfg['ports']['decode']} "), signal.SIGKILL)
+    else:
+        os.kill(_pid_with(f"http://127.0.0.1:{cfg['ports']['etcd']} "), signal.SIGKILL)
     try:
         output, _ = run.communicate(timeout=120)
     finally:
@@ -306,4 +352,64 @@ def test_interrupted_in_the_middle_of_a_cell(tmp_path, how):
             os.killpg(run.pid, signal.SIGKILL)
     assert run.returncode != 0
     assert not (workdir / cell).exists(), output[-3000:]
+    if how == "decode crash":
+        assert "decode exited with code -9 while serving" in output, output[-3000:]
+    if how == "etcd death":
+        assert "etcd exited with code -9 while serving" in output, output[-3000:]
     _assert_clean(workdir, cfg)
+
+
+def test_backend_external_measures_a_running_server_and_starts_nothing(tmp_path):
+    port = _free_base() + 10
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "servematrix.emulator",
+            "serve",
+            "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        cfg = _config(["single"], [4])
+        cfg.update(backend="external", base_url=f"http://127.0.0.1:{port}/v1")
+        workdir = copy_workflow(tmp_path, cfg)
+        cell = config.load(cfg).all_cells()[0].path
+        assert cell.startswith("results/external/")
+        result = _snakemake(workdir, cell)
+        assert result.returncode == 0, result.stderr[-3000:]
+        table = pq.read_table(workdir / cell)
+        meta = json.loads(next(iter(table.schema.metadata.values())))
+        assert meta["deployment"]["started"] == "external"
+        assert all(table.column("success").to_pylist())
+        assert not (workdir / ".servematrix").exists(), "no deployment, no GPU lock"
+        assert server.poll() is None, "the user's server is left alone"
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def test_backend_vllm_checks_the_pins_against_nvidia_smi(tmp_path):
+    cfg = _config(["single"], [4], state_dir=str(tmp_path / "state"))
+    cfg["backend"] = "vllm"
+    has_gpus = shutil.which("nvidia-smi") is not None
+    if has_gpus:  # a GPU machine: pin one that no node has
+        cfg["models"][MODEL]["gpus"] = [[63]]
+    workdir = copy_workflow(tmp_path, cfg)
+    cell = config.load(cfg).all_cells()[0].path
+    result = _snakemake(workdir, cell)
+    assert result.returncode != 0
+    expected = (
+        f"models.{MODEL}.gpus pins GPU(s) [63] but nvidia-smi lists"
+        if has_gpus
+        else "backend vllm needs nvidia-smi to check the pinned GPUs"
+    )
+    assert expected in result.stderr, result.stderr[-3000:]
+    assert not (workdir / cell).exists()
+    assert not (tmp_path / "state" / "deployments").exists(), "nothing was started"

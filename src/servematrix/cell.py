@@ -122,7 +122,8 @@ def _run_deployed(cell: Cell) -> BackendRun:
                     "fresh" if lease.fresh else "reused",
                     lease.startup_s,
                 )
-                records, client = _measure(cell, lease.base_url)
+                with lease.watched():
+                    records, client = _measure(cell, lease.base_url)
                 problem = lease.problem()
                 if problem is not None:
                     raise DeployError(problem)

@@ -12,18 +12,42 @@ def deployment_key(cell: Cell) -> tuple:
     return (cell.recipe, cell.model.name, cell.mode.name, cell.serving)
 
 
-def deployment_priority(cfg: Config, cell_path_tail: str) -> int:
-    """Snakemake priority of a cell: deployments in config order, highest first, so a run
-    with free choice among ready cells finishes one deployment before it starts the next."""
+def _keys(cfg: Config) -> list[tuple]:
     keys: list[tuple] = []
-    mine = None
     for cell in cfg.all_cells():
         key = deployment_key(cell)
         if key not in keys:
             keys.append(key)
-        if mine is None and cell.path.endswith(f"/{cell_path_tail}.parquet"):
-            mine = key
-    return len(keys) - keys.index(mine) if mine is not None else 0
+    return keys
+
+
+def _cell(cfg: Config, cell_path_tail: str) -> Cell | None:
+    for cell in cfg.all_cells():
+        if cell.path.endswith(f"/{cell_path_tail}.parquet"):
+            return cell
+    return None
+
+
+def deployment_priority(cfg: Config, cell_path_tail: str) -> int:
+    """Snakemake priority of a cell: deployments in config order, highest first, so a run
+    with free choice among ready cells finishes one deployment before it starts the next."""
+    keys, cell = _keys(cfg), _cell(cfg, cell_path_tail)
+    return len(keys) - keys.index(deployment_key(cell)) if cell is not None else 0
+
+
+def deployment_groups(cfg: Config) -> list[str]:
+    return [f"deployment{i}" for i in range(1, len(_keys(cfg)) + 1)]
+
+
+def deployment_group(cfg: Config, cell_path_tail: str) -> str:
+    """The Snakemake group of a cell: one per deployment (``deployment1``, ...)."""
+    cell = _cell(cfg, cell_path_tail)
+    return f"deployment{_keys(cfg).index(deployment_key(cell)) + 1}" if cell else "deployment0"
+
+
+def pinned_gpu_count(cfg: Config, cell_path_tail: str) -> int:
+    cell = _cell(cfg, cell_path_tail)
+    return len({g for gpus in cell.instance_gpus for g in gpus}) if cell is not None else 0
 
 
 def stop_deployments(cfg: Config) -> None:

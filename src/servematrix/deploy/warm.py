@@ -16,15 +16,18 @@ that pins one of their GPUs or binds one of their ports, then reuse or start the
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import fcntl
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,7 +80,8 @@ def settings_for(cell: Cell) -> tuple[Settings, Path, Path]:
         # Real GPUs are a machine-wide resource: every workflow on the host shares the locks.
         state_dir = Path(tempfile.gettempdir()) / f"servematrix-{os.getuid()}"
     else:
-        state_dir = Path(".servematrix") / cell.backend
+        # Per host: on a cluster the working directory is shared, GPU ids and pids are not.
+        state_dir = Path(".servematrix") / cell.backend / socket.gethostname()
     return settings, state_dir, Path("results") / cell.backend / "logs" / "deployments"
 
 
@@ -157,6 +161,9 @@ def lease(run_dir: Path, timeout_s: float, what: str) -> Iterator[int]:
 def stop_deployment(run_dir: Path, stop_timeout_s: float) -> None:
     """Stop a deployment whoever started it; returns when its processes are gone."""
     state = read_state(run_dir)
+    if state.get("host", socket.gethostname()) != socket.gethostname():
+        # Its pids mean nothing here: the node's own job stops it (or its idle watchdog).
+        return
     pid = state.get("supervisor_pid")
     if pid_alive(pid):
         with contextlib.suppress(ProcessLookupError):
@@ -216,6 +223,34 @@ class Lease:
         if state.get("status") == "ready" and pid_alive(state.get("supervisor_pid")):
             return None
         return state.get("error") or f"deployment {self.run_dir.name} is {state.get('status')}"
+
+    @contextlib.contextmanager
+    def watched(self) -> Iterator[None]:
+        """Abort the caller (main thread) with DeployError as soon as the supervisor reports
+        a dead process, instead of measuring a broken deployment until the schedule ends."""
+        stop = threading.Event()
+        failure: list[str] = []
+
+        def watch() -> None:
+            while not stop.wait(WATCH_S):
+                state = read_state(self.run_dir)
+                if state.get("status") != "ready" or not pid_alive(state.get("supervisor_pid")):
+                    failure.append(state.get("error") or f"deployment {self.run_dir.name} stopped")
+                    _thread.interrupt_main(signal.SIGUSR1)
+                    return
+
+        def on_failure(signum: int, frame: Any) -> None:
+            raise DeployError(failure[0] if failure else "deployment failed")
+
+        previous = signal.signal(signal.SIGUSR1, on_failure)
+        thread = threading.Thread(target=watch, name="deployment-watch", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            signal.signal(signal.SIGUSR1, previous)
 
     def stop(self) -> None:
         stop_deployment(self.run_dir, self.settings.stop_timeout_s)
@@ -350,6 +385,7 @@ def supervise(run_dir: Path) -> int:
     state: dict[str, Any] = {
         "status": "starting",
         "supervisor_pid": os.getpid(),
+        "host": socket.gethostname(),
         "groups": [],
         "started_utc": started,
         "fingerprint": plan.fingerprint,
