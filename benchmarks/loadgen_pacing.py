@@ -12,7 +12,9 @@ dataset (1024-token prompts, 6 output tokens), Poisson arrivals, for each QPS, c
 * ``timer+spin`` (the default): the timer ``SPIN_S`` early, then yielding to the loop until
   the instant.
 
-First, the pacing alone on an idle loop: send lag and CPU per send for no spin, the default
+First, how long one full garbage collection takes with a cell's prompts in memory, and once
+they are frozen (``gc.freeze``, as the load generator does before the clock starts). Then the
+pacing alone on an idle loop: send lag and CPU per send for no spin, the default
 ``SPIN_S`` and a whole millisecond. Then, per point: achieved QPS (measured requests over the
 time from the first send to the last send), send lag (``sent_s - scheduled_s``) P50/P99/max,
 the server's arrival time minus the client's ``sent_s`` (P50/P99: what the client's request
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import socket
 import subprocess
 import sys
@@ -135,12 +138,45 @@ def pacing_alone(qps: float, n: int, spin_s: float) -> dict[str, float]:
     }
 
 
+def gc_pause(input_len: int, num_prompts: int) -> tuple[float, float]:
+    """A full garbage collection with a cell's prompts and bodies held (ms), and once they are
+    frozen as `loadgen.run_requests` does before the clock starts."""
+    w = Workload(
+        qps=10.0,
+        input_len=input_len,
+        output_len=16,
+        num_prompts=num_prompts,
+        seed=0,
+        dataset="random",
+        burstiness=1.0,
+        warmup_requests=0,
+    )
+    requests = build_requests(w, vocab_size=32000)
+    settings = loadgen.ClientSettings("http://127.0.0.1:1", "m", None)
+    bodies = [loadgen.encode_body(r, settings) for r in requests]
+    started = time.perf_counter()
+    gc.collect()
+    held = time.perf_counter() - started
+    gc.freeze()
+    started = time.perf_counter()
+    gc.collect()
+    frozen = time.perf_counter() - started
+    gc.unfreeze()
+    del requests, bodies
+    return held * 1e3, frozen * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--qps", type=float, nargs="+", default=[10.0, 100.0, 500.0])
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    print("Full garbage collection with the prompts held (ms):")
+    for input_len, num_prompts in ((1024, 5000), (32000, 200)):
+        held, frozen = gc_pause(input_len, num_prompts)
+        print(f"  {num_prompts} x {input_len} tokens: {held:.1f}; frozen: {frozen:.2f}")
+    print()
     default_spin = loadgen.SPIN_S
     print("Pacing alone (an idle loop, Poisson send instants at the first QPS):")
     print(f"{'spin ms':>8} {'lag p50':>8} {'lag p99':>8} {'lag max':>8} {'cpu/send':>8}")

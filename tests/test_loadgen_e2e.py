@@ -4,6 +4,7 @@ socket that never answers, a port with nothing, and a server that hangs mid-requ
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import socket
@@ -147,6 +148,7 @@ def test_qps_inf_with_a_concurrency_cap_and_injected_failures():
     with emulator(*flags) as url:
         result = run(url, w)
     records = [r for r in result.records if not r.warmup]
+    assert gc.get_freeze_count() == 0  # the run froze the prompts and let them go again
     assert len(result.records) == 61 and len(records) == 60
     assert all(r.scheduled_s == 0.0 for r in records)
     assert max_in_flight(records) <= 4
