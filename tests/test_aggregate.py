@@ -94,7 +94,8 @@ def test_summary_columns_and_types(tmp_path: Path) -> None:
     df = aggregate.summarize([write_trace(tmp_path, "a", identity())])
 
     metric_names = [f.name for f in fields(metrics.CellMetrics)]
-    assert df.columns == [*trace.IDENTITY_COLUMNS, *metric_names, "trace"]
+    memory = list(aggregate.MEMORY_COLUMNS)
+    assert df.columns == [*trace.IDENTITY_COLUMNS, *metric_names, *memory, "trace"]
     assert df.schema["qps"] == pl.Float64
     assert df.schema["input_len"] == pl.Int32
     assert df.schema["completed"] == pl.Int64

@@ -13,7 +13,10 @@ import pytest
 from servematrix.deploy import warm
 from servematrix.deploy.recipes import Plan, Process
 from servematrix.deploy.supervise import DeployError, port_problem
+from servematrix.engine.hardware import gpu_spec
 from tests.test_deploy_supervise import _server, free_port
+
+A100_MIB = gpu_spec("A100-SXM4-80GB").memory_gib * 1024
 
 
 def _plan(fingerprint: str, port: int, gpus: tuple[int, ...]) -> Plan:
@@ -112,3 +115,20 @@ def test_a_failed_start_raises_and_leaves_nothing(state_dir, tmp_path):
     assert state["status"] == "failed"
     assert not warm.pid_alive(state["supervisor_pid"])
     assert Path(tmp_path / "logs" / "supervisor.log").is_file()
+
+
+def test_memory_is_modelled_on_the_emulator_and_measured_or_explained_on_vllm(tmp_path):
+    from servematrix.deploy import memory
+
+    plan = _plan("mem", free_port(), (2, 3))
+    with memory.sampled(plan, "emulator", "A100-SXM4-80GB", 0.8) as modelled:
+        pass
+    assert modelled["peak_gpu_memory_mib"] == pytest.approx(A100_MIB * 0.8, abs=0.1)
+    assert set(modelled["gpus"]) == {"2", "3"}
+    with memory.sampled(plan, "vllm", "A100-SXM4-80GB", 0.8) as measured:
+        time.sleep(0.6)
+    assert measured["gpu_memory_source"] == "nvml"
+    if "gpu_memory_error" in measured:  # no NVML on this host: why, and no invented number
+        assert measured["peak_gpu_memory_mib"] is None
+    else:
+        assert measured["peak_gpu_memory_mib"] > 0

@@ -25,11 +25,15 @@ import pytest
 from servematrix import config
 from servematrix.deploy.recipes import plan
 from servematrix.deploy.supervise import port_problem
+from servematrix.engine.hardware import gpu_spec
 from tests.workflow_helpers import copy_workflow
 
 pytestmark = pytest.mark.slow
 
 MODEL = "Qwen2.5-7B-Instruct-GPTQ-Int4"
+
+
+A100_MIB = gpu_spec("A100-SXM4-80GB").memory_gib * 1024
 
 
 def _free_base() -> int:
@@ -159,7 +163,15 @@ def test_study_runs_every_mode_and_starts_each_deployment_once(tmp_path):
     assert len(started) == 3
     for fingerprint, kinds in started.items():
         assert sorted(kinds) == ["fresh", "reused", "reused", "reused"], fingerprint
-    assert (workdir / "results/emulator/summary/mooncake.csv").is_file()
+    for _, meta in traces.values():
+        memory_use = meta["memory"]
+        assert memory_use["peak_gpu_memory_mib"] == pytest.approx(A100_MIB * 0.8, abs=0.1)
+        # sampled from every instance's /metrics (a short cell may find its cache empty)
+        assert all(memory_use["kv_cache_usage"].values())
+        assert 0 <= memory_use["peak_kv_cache_usage"] < 1
+    summary = pq.read_table(workdir / "results/emulator/summary/mooncake.parquet")
+    assert None not in summary.column("peak_kv_cache_usage").to_pylist()
+    assert None not in summary.column("peak_gpu_memory_mib").to_pylist()
     assert "servematrix: stopped deployment" in result.stdout + result.stderr
     _assert_clean(workdir, cfg)
 

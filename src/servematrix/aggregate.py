@@ -51,12 +51,17 @@ HTML_STYLE = (
 )
 
 
+MEMORY_COLUMNS = {"peak_gpu_memory_mib": pl.Float64(), "peak_kv_cache_usage": pl.Float64()}
+"""From the trace metadata's ``memory`` (servematrix.deploy.memory): measured on vllm,
+modelled on emulator and simulator; null where a trace has none."""
+
+
 def _summary_schema() -> dict[str, pl.DataType]:
     """Identity columns typed as in the trace, CellMetrics fields, then the trace path."""
     identity = pl.DataFrame(pa.schema(trace.IDENTITY_COLUMNS).empty_table()).schema
     numeric = {"int": pl.Int64(), "float": pl.Float64()}
     measured = {f.name: numeric[str(f.type)] for f in fields(metrics.CellMetrics)}
-    return {**identity, **measured, "trace": pl.String()}
+    return {**identity, **measured, **MEMORY_COLUMNS, "trace": pl.String()}
 
 
 SUMMARY_SCHEMA = _summary_schema()
@@ -79,7 +84,14 @@ def summary_row(
 ) -> dict[str, Any]:
     table = trace.read(path)
     cell = metrics.compute(table, slo_ms, source=path)
-    return {**cell_identity(table, path), **asdict(cell), "trace": os.fspath(path)}
+    memory_use = trace.read_metadata(path).get("memory") or {}
+    memory_columns = {name: memory_use.get(name) for name in MEMORY_COLUMNS}
+    return {
+        **cell_identity(table, path),
+        **asdict(cell),
+        **memory_columns,
+        "trace": os.fspath(path),
+    }
 
 
 def cell_identity(table: pa.Table, path: str | os.PathLike[str]) -> dict[str, Any]:

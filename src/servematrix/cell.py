@@ -49,10 +49,20 @@ def check_backend(backend: str) -> None:
 
 
 def _run_simulator(cell: Cell) -> BackendRun:
+    from servematrix.deploy.memory import modelled_gpu_mib
     from servematrix.simulate import simulate
 
     result = simulate(cell)
-    return BackendRun(result.records, {"engine": result.engine_parameters})
+    gpu = str(cell.engine.get("gpu", "A100-SXM4-80GB"))
+    peak = round(modelled_gpu_mib(gpu, cell.serving.gpu_memory_utilization), 1)
+    # The modelled GPU memory, as the emulator reports it; KV-cache usage over time is not
+    # recorded by the simulator's engine yet (None).
+    memory_use = {
+        "gpu_memory_source": f"modelled ({gpu}, gpu_memory_utilization)",
+        "peak_gpu_memory_mib": peak,
+        "peak_kv_cache_usage": None,
+    }
+    return BackendRun(result.records, {"engine": result.engine_parameters, "memory": memory_use})
 
 
 def _requests(cell: Cell) -> list:
@@ -101,7 +111,7 @@ def _run_deployed(cell: Cell) -> BackendRun:
 
     The deployment is stopped instead when the cell is interrupted (Ctrl-C, SIGTERM) or fails
     in any way other than failed requests, so nothing half-measured keeps running."""
-    from servematrix.deploy import gpulock, recipes, warm
+    from servematrix.deploy import gpulock, memory, recipes, warm
     from servematrix.deploy.supervise import DeployError
 
     previous = signal.signal(signal.SIGTERM, _sigterm)
@@ -122,7 +132,12 @@ def _run_deployed(cell: Cell) -> BackendRun:
                     "fresh" if lease.fresh else "reused",
                     lease.startup_s,
                 )
-                with lease.watched():
+                gpu = str(cell.engine.get("gpu", "A100-SXM4-80GB"))
+                util = cell.serving.gpu_memory_utilization
+                with (
+                    lease.watched(),
+                    memory.sampled(plan, cell.backend, gpu, util) as memory_use,
+                ):
                     records, client = _measure(cell, lease.base_url)
                 problem = lease.problem()
                 if problem is not None:
@@ -141,6 +156,7 @@ def _run_deployed(cell: Cell) -> BackendRun:
         "startup_s": lease.startup_s,
         "processes": [p.to_dict() for p in resolved.processes],
         "files": dict(resolved.files),
+        "memory": memory_use,
         **client,
     }
     return BackendRun(records, deployment)
@@ -195,8 +211,8 @@ def _version(package: str) -> str | None:
 def run_metadata(cell: Cell, started: datetime, run: BackendRun) -> dict[str, Any]:
     return {
         "cell": cell.to_dict(),
-        "deployment": {k: v for k, v in run.deployment.items() if k != "clock"},
-        **({"clock": run.deployment["clock"]} if "clock" in run.deployment else {}),
+        "deployment": {k: v for k, v in run.deployment.items() if k not in ("clock", "memory")},
+        **{k: run.deployment[k] for k in ("clock", "memory") if k in run.deployment},
         "versions": {
             "servematrix": __version__,
             "python": sys.version.split()[0],
