@@ -82,6 +82,7 @@ DEFAULT_ABORT_TIMEOUT_S = 480.0
 """``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``: how long a producer keeps KV nobody pulled, and so
 how long a pull may wait for its prefill."""
 ETCD_RETRY_S = 10.0
+KV_LINK_ENV = "SERVEMATRIX_EMULATOR_KV_LINK"
 DEFAULT_KV_BUFFER_BYTES = 1e9
 """vLLM 0.6's ``KVTransferConfig.kv_buffer_size`` default (the recipe passes 2e9)."""
 
@@ -663,9 +664,19 @@ def connector(
     environ: Mapping[str, str] = os.environ,
 ) -> KvConnector | None:
     """The connector an instance's ``--kv-transfer-config`` asks for (None: not
-    disaggregated); raises :class:`KvTransferError` for what the emulator cannot play."""
+    disaggregated); raises :class:`KvTransferError` for what the emulator cannot play.
+
+    The link is the preset of (recipe, protocol), with the overrides of
+    ``SERVEMATRIX_EMULATOR_KV_LINK`` (a JSON object with the keys of the config's
+    ``engine.kv_link``), so a cell that overrides the simulator's link times the emulator's
+    transfers alike."""
     if kv_transfer_config is None:
         return None
+    overrides_text = environ.get(KV_LINK_ENV)
+    try:
+        overrides = json.loads(overrides_text) if overrides_text else None
+    except ValueError as error:
+        raise KvTransferError(f"{KV_LINK_ENV}: invalid JSON: {error}") from None
     name = kv_transfer_config.get("kv_connector")
     role = kv_transfer_config.get("kv_role")
     if name != "MooncakeConnector" or role not in ("kv_producer", "kv_consumer"):
@@ -679,7 +690,7 @@ def connector(
         protocol = extra.get("mooncake_protocol", "rdma")
         return MooncakeV1(
             role,
-            _link("v1", protocol, tensor_parallel),
+            _link("v1", protocol, tensor_parallel, overrides),
             per_token,
             engine_id=str(kv_transfer_config.get("engine_id") or uuid.uuid4()),
             host=host,
@@ -701,12 +712,14 @@ def connector(
         raise KvTransferError(f"{path}: missing {', '.join(missing)}")
     protocol = config.get("protocol", "tcp")
     buffer_bytes = float(kv_transfer_config.get("kv_buffer_size", DEFAULT_KV_BUFFER_BYTES))
-    link = _link("v0", protocol, tensor_parallel)
+    link = _link("v0", protocol, tensor_parallel, overrides)
     return MooncakeV0(role, link, per_token, config, path, buffer_bytes)
 
 
-def _link(recipe: str, protocol: str, tp: int) -> KvLink:
+def _link(recipe: str, protocol: str, tp: int, overrides: Any) -> KvLink:
+    if overrides is not None and not isinstance(overrides, dict):
+        raise KvTransferError(f"{KV_LINK_ENV}: expected a JSON object, got {overrides!r}")
     try:
-        return kv_link(recipe, protocol, tp, None)
+        return kv_link(recipe, protocol, tp, overrides)
     except KeyError as error:
         raise KvTransferError(str(error).strip('"')) from None
