@@ -21,6 +21,7 @@ import yaml
 
 from servematrix import cli, config
 from servematrix.engine import architecture
+from servematrix.workflow import check_config
 from tests.conftest import ROOT, SMALL_CONFIG
 
 SHIPPED = ", ".join(architecture.shipped())
@@ -215,7 +216,7 @@ def test_a_model_the_engine_cannot_start_is_refused_before_its_job():
     cfg["defaults"]["max_model_len"] = 2_000_000
     cfg["studies"]["sizes"]["input_len"] = [1_000_000]
     with pytest.raises(config.ConfigError) as caught:
-        config.load(cfg)
+        check_config(cfg)
     assert str(caught.value).startswith(
         "config error at studies.disagg.models[0]: Qwen2.5-7B-Instruct-GPTQ-Int4 (gptq-int4) on "
         "A100-SXM4-80GB at TP 1: no available memory for the cache blocks"
@@ -223,7 +224,7 @@ def test_a_model_the_engine_cannot_start_is_refused_before_its_job():
     cfg = copy.deepcopy(SMALL_CONFIG)
     cfg["defaults"]["max_num_batched_tokens"] = 100
     with pytest.raises(config.ConfigError) as caught:
-        config.load(cfg)
+        check_config(cfg)
     assert caught.value.key_path == "defaults.max_num_batched_tokens"
 
 

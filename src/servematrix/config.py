@@ -459,7 +459,7 @@ def load(raw: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) -> Config:
     _check_shared_cells(studies)
     if data["backend"] == "external" and not data.get("base_url"):
         raise ConfigError("base_url", "backend external needs the server's base_url")
-    check_input(data, models, studies)
+    check_input(data, studies)
     return Config(
         backend=data["backend"],
         raw=data,
@@ -580,17 +580,6 @@ def _check_gpu_pins(data: Mapping[str, Any]) -> None:
                 )
 
 
-def _check_architectures(models: Mapping[str, ModelSpec]) -> None:
-    """Every architecture resolves (shipped, local config.json or Hub id) and is modelled."""
-    from servematrix.engine.architecture import ArchitectureError, load_architecture
-
-    for name, spec in models.items():
-        try:
-            load_architecture(spec.architecture)
-        except ArchitectureError as error:
-            raise ConfigError(f"models.{name}.architecture", str(error)) from None
-
-
 def _check_cell_memory(data: Mapping[str, Any], studies: Mapping[str, Study]) -> None:
     for name, study in studies.items():
         for cell in study.cells:
@@ -613,68 +602,12 @@ def _check_cell_memory(data: Mapping[str, Any], studies: Mapping[str, Study]) ->
             )
 
 
-def _check_engine_fits(data: Mapping[str, Any], studies: Mapping[str, Study]) -> None:
-    """Serving flags vLLM refuses at start-up (a token budget below max_model_len without
-    chunked prefill) are refused here; on the backends whose server is the engine model
-    (simulator, emulator), so is a model that does not fit (weights or max_model_len beyond the
-    GPU), with vLLM's reason, instead of failing the cell's job."""
-    from servematrix.engine.architecture import load_architecture
-    from servematrix.engine.hardware import gpu_spec
-    from servematrix.engine.kvcache import ModelDoesNotFitError, plan_kv_memory
-    from servematrix.engine.roofline import weight_bytes
-    from servematrix.engine.scheduler import scheduler_config
-
-    planned: set[tuple[Any, ...]] = set()
-    for name, study in studies.items():
-        for cell in study.cells:
-            m, s = cell.model, cell.serving
-            gpu = str(cell.engine.get("gpu", "A100-SXM4-80GB"))
-            key = (m, cell.recipe, cell.mode.chunked_prefill, s, gpu, cell.backend)
-            if key in planned:
-                continue
-            planned.add(key)
-            spec = gpu_spec(gpu)
-            try:
-                sched = scheduler_config(
-                    cell.recipe,
-                    cell.mode.chunked_prefill,
-                    s.max_model_len,
-                    spec.name,
-                    s.max_num_batched_tokens,
-                )
-            except ValueError as error:
-                in_study = "max_num_batched_tokens" in data["studies"][name].get("workload", {})
-                where = f"studies.{name}.workload" if in_study else "defaults"
-                raise ConfigError(f"{where}.max_num_batched_tokens", str(error)) from None
-            if cell.backend not in ("simulator", "emulator"):
-                continue
-            arch = load_architecture(m.architecture)
-            try:
-                plan_kv_memory(
-                    model_label=f"{m.name} ({m.quantization})",
-                    arch=arch,
-                    weight_bytes=weight_bytes(arch, m.quantization),
-                    gpu=spec,
-                    tp=m.tensor_parallel,
-                    gpu_memory_utilization=s.gpu_memory_utilization,
-                    max_model_len=s.max_model_len,
-                    max_num_batched_tokens=sched.max_num_batched_tokens,
-                    max_num_seqs=sched.max_num_seqs,
-                )
-            except ModelDoesNotFitError as error:
-                index = study.models.index(m.name)
-                raise ConfigError(f"studies.{name}.models[{index}]", str(error)) from None
-
-
-def check_input(
-    data: Mapping[str, Any], models: Mapping[str, ModelSpec], studies: Mapping[str, Study]
-) -> None:
-    """The checks the schema cannot express, in the order a reader would fix them."""
+def check_input(data: Mapping[str, Any], studies: Mapping[str, Study]) -> None:
+    """The checks the schema cannot express that need no engine model (those are in
+    ``servematrix.preflight``), in the order a reader would fix them."""
     _check_lists(data)
     _check_gpu_pins(data)
-    _check_architectures(models)
     _check_cell_memory(data, studies)
-    _check_engine_fits(data, studies)
 
 
 def gpus_needed(cfg: Config) -> list[int]:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from servematrix import config
+from servematrix import config, preflight
 from servematrix.cell import check_backend
 from servematrix.config import ConfigError
 
@@ -19,6 +19,7 @@ DEFAULT_CONFIGFILE = "config/config.yaml"
 def check_config(raw: Mapping[str, Any], schema_path: Path = config.SCHEMA_PATH) -> config.Config:
     """Everything that must hold before any job: `servematrix check` and the workflow run this."""
     cfg = config.load(raw, schema_path)
+    preflight.check(cfg)
     check_backend(cfg.backend)
     return cfg
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 1024**3
+DEFAULT_GPU = "A100-SXM4-80GB"
+"""The GPU a config models when it names none (the published studies ran on A100s)."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import numpy as np
 
 from servematrix.engine.aic_table import select_step_time_model
 from servematrix.engine.architecture import Architecture, load_architecture, shipped
-from servematrix.engine.hardware import gpu_spec
+from servematrix.engine.hardware import DEFAULT_GPU, gpu_spec
 from servematrix.engine.host import NO_HOST_COST, WithHostCost, host_cost
 from servematrix.engine.instance import EngineInstance, Jitter
 from servematrix.engine.kvcache import BlockPool, KvMemoryPlan, plan_kv_memory
@@ -22,7 +22,6 @@ from servematrix.engine.roofline import (
 from servematrix.engine.scheduler import Scheduler, SchedulerConfig, scheduler_config
 from servematrix.engine.steptime import StepTimeModel, WithDecodeOverhead
 
-DEFAULT_GPU = "A100-SXM4-80GB"
 DEFAULT_JITTER_CV = 0.03
 """Step-to-step variation of a GPU forward pass (peers §2.9: CV about 3-5 %)."""
 DEFAULT_STRAGGLER_PROBABILITY = 0.005
