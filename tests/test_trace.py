@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pyarrow as pa
@@ -268,3 +270,15 @@ def test_written_trace_is_readable_by_others(tmp_path: Path) -> None:
     path = tmp_path / "t.parquet"
     trace.write(path, IDENTITY, records(), {})
     assert path.stat().st_mode & 0o044 == 0o044
+
+
+def test_metadata_is_strict_json_with_an_infinite_qps(tmp_path: Path) -> None:
+    """``qps: inf`` must not write Python's ``Infinity``, which strict JSON parsers refuse."""
+    path = tmp_path / "t.parquet"
+    trace.write(path, IDENTITY, records(), {"cell": {"workload": {"qps": math.inf}}, "n": [1.5]})
+    document = pq.read_schema(path).metadata[trace.METADATA_KEY].decode()
+    assert "Infinity" not in document
+    assert json.loads(document, parse_constant=pytest.fail) == {
+        "cell": {"workload": {"qps": "inf"}},
+        "n": [1.5],
+    }

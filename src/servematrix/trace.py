@@ -11,6 +11,7 @@ describing the cell (config, command lines, versions, host, engine parameters).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -132,7 +133,20 @@ def to_table(
     # which alone costs a cell job half a second.
     frame = pl.DataFrame(values, schema=POLARS_SCHEMA)
     table = frame.to_arrow().cast(SCHEMA)
-    return table.replace_schema_metadata({METADATA_KEY: json.dumps(metadata, default=str)})
+    document = json.dumps(_strict_json(metadata), default=str, allow_nan=False)
+    return table.replace_schema_metadata({METADATA_KEY: document})
+
+
+def _strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float spelled as a string (``qps: inf`` gives "inf"), so
+    the metadata document is JSON that any parser reads, not Python's ``Infinity``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(item) for item in value]
+    return value
 
 
 def write(
