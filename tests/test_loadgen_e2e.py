@@ -262,10 +262,13 @@ def test_jsonl_lengths_per_request_and_a_wrong_model_name(tmp_path):
 
 
 @contextmanager
-def hanging_server() -> Iterator[str]:
-    """Ready (/health 200) but never answers a completion: for the per-request timeout."""
+def hanging_server(health_ports: list | None = None) -> Iterator[str]:
+    """Ready (/health 200) but never answers a completion: for the per-request timeout.
+    The client port of every /health request goes into ``health_ports``."""
 
     async def health(request):
+        if health_ports is not None:
+            health_ports.append(request.transport.get_extra_info("peername")[1])
         return web.Response()
 
     async def hang(request):
@@ -289,10 +292,13 @@ def hanging_server() -> Iterator[str]:
 
 
 def test_a_request_that_never_ends_times_out_as_a_failed_row():
-    with hanging_server() as url:
+    """Also: before the clock, one connection per request that can be in flight was opened."""
+    ports: list[int] = []
+    with hanging_server(ports) as url:
         result = run(url, workload(num_prompts=3, warmup_requests=0), request_timeout_s=1)
     assert [r.success for r in result.records] == [False] * 3
     assert all(r.error == "timed out after 1 s" for r in result.records)
+    assert len(ports) == 1 + 3 and len(set(ports[1:])) == 3  # readiness, then 3 connections
 
 
 def test_environment_proxies_are_ignored():

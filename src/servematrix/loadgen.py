@@ -25,7 +25,9 @@ defined, and the design's trace schema everywhere:
   last counted chunk, not ``[DONE]`` (vLLM's current E2EL).
 - ``prompt_tokens``/``completion_tokens`` are the server's last usage; a server that sends none
   gets the planned input length and the number of counted tokens instead.
-- Warm-up requests go one at a time before t = 0, so their times are negative.
+- Warm-up requests go one at a time before t = 0, so their times are negative. Then up to
+  ``PREOPEN_CONNECTIONS`` connections are opened (concurrent ``GET /health``), so connection
+  set-up is not inside the TTFT of the first requests that overlap.
 - Success is HTTP 200, at least one counted chunk and a stream that ends with ``[DONE]``. Any
   failure (HTTP status, error event in the stream, dropped connection, timeout, a stream
   without a token or cut before ``[DONE]``) is a row with ``success = False`` and the error
@@ -43,10 +45,10 @@ import resource
 import secrets
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -81,6 +83,13 @@ CLIENTS = ("aiohttp", "openai")
 # Response bytes are handed over as they arrive; a large buffer keeps long streams from
 # stalling on it (vLLM's client with aiohttp's 64 KiB default: vllm-project/vllm#39963).
 READ_BUFSIZE = 1 << 20
+# Idle connections are dropped before vLLM's server drops them (uvicorn's keep-alive timeout
+# is 5 s): a request sent on a connection the server is closing at that instant would fail.
+KEEPALIVE_S = 4.0
+# Connections opened before the clock starts, so the first requests that overlap do not pay
+# for a TCP connection inside their TTFT (vLLM's client runs its warm-ups concurrently and so
+# starts with as many); more are opened during the run as needed.
+PREOPEN_CONNECTIONS = 64
 
 
 class LoadgenError(RuntimeError):
@@ -332,6 +341,13 @@ class _AiohttpSender:
             async for data in response.content.iter_any():
                 feed(data, monotonic())
 
+    async def open_connections(self, url: str, count: int) -> None:
+        async def one() -> None:
+            async with self.session.get(url) as response:
+                await response.read()
+
+        await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+
 
 class _Response(AsyncStream[Completion]):
     """Hands back the raw HTTP response of a streamed request sent through ``AsyncOpenAI``.
@@ -369,8 +385,18 @@ class _OpenAISender:
         finally:
             await response.aclose()
 
+    async def open_connections(self, url: str, count: int) -> None:
+        requests = (self.client.get(url, cast_to=httpx2.Response) for _ in range(count))
+        await asyncio.gather(*requests, return_exceptions=True)
 
-Sender = Callable[[bytes, dict[str, str], StreamParser], Awaitable[None]]
+
+class Sender(Protocol):
+    """Sends one request and feeds its response to a `StreamParser`; raises on failure."""
+
+    async def __call__(self, body: bytes, headers: dict[str, str], out: StreamParser) -> None: ...
+
+    async def open_connections(self, url: str, count: int) -> None:
+        """``count`` concurrent GETs of ``url``, leaving that many connections in the pool."""
 
 
 async def _stream(
@@ -449,7 +475,7 @@ def _session(max_in_flight: int) -> aiohttp.ClientSession:
     Timeouts are per request (``asyncio.timeout`` around each one), not per read. The
     environment's proxy settings are ignored: a benchmark talks to its server directly.
     """
-    connector = aiohttp.TCPConnector(limit=max_in_flight + 1, keepalive_timeout=30.0)
+    connector = aiohttp.TCPConnector(limit=max_in_flight + 1, keepalive_timeout=KEEPALIVE_S)
     return aiohttp.ClientSession(
         connector=connector,
         timeout=aiohttp.ClientTimeout(total=None),
@@ -465,7 +491,7 @@ def _openai_client(settings: ClientSettings, max_in_flight: int) -> AsyncOpenAI:
     limits = httpx2.Limits(
         max_connections=max_in_flight + 1,
         max_keepalive_connections=max_in_flight + 1,
-        keepalive_expiry=30.0,
+        keepalive_expiry=KEEPALIVE_S,
     )
     http = openai.DefaultAioHttpClient(
         limits=limits, timeout=httpx2.Timeout(None), trust_env=False, follow_redirects=False
@@ -497,10 +523,8 @@ def _raise_file_limit(needed: int) -> None:
             )
 
 
-async def wait_ready(
-    settings: ClientSettings, session: aiohttp.ClientSession | None = None
-) -> None:
-    """Poll ``GET /health`` (else ``GET /v1/models``) until it answers 200.
+async def wait_ready(settings: ClientSettings, session: aiohttp.ClientSession | None = None) -> str:
+    """Poll ``GET /health`` (else ``GET /v1/models``) until it answers 200; return that URL.
 
     Raises LoadgenError naming the URL when ``ready_timeout_s`` passes first, or when the
     server lists its models and ours is not among them (every request would fail with 404).
@@ -528,7 +552,7 @@ async def wait_ready(
             if status == 200:
                 async with session.get(models, timeout=timeout, headers=headers) as response:
                     _check_model(settings, response.status, await response.read())
-                return
+                return url
             problem = f"HTTP {status} from {url}"
         except TimeoutError:
             problem = f"no answer within {probe_s:.1f} s"
@@ -576,7 +600,7 @@ async def run_requests(
     _raise_file_limit(max_in_flight + 64)
     timeout_s = settings.request_timeout_s
     async with _session(max_in_flight) as session:
-        await wait_ready(settings, session)
+        ready_url = await wait_ready(settings, session)
         openai_client = None
         if settings.client == "openai":
             openai_client = _openai_client(settings, max_in_flight)
@@ -589,8 +613,11 @@ async def run_requests(
         gc.collect()
         gc.freeze()
         try:
+            warm: list[tuple[RequestSpec, StreamParser]] = []
+            await _warm_up(send, warmups, bodies, headers, timeout_s, warm)
+            await send.open_connections(ready_url, min(max_in_flight, PREOPEN_CONNECTIONS))
             return await _run(
-                send, settings, warmups, measured, bodies, headers, timeout_s, prefix, progress
+                send, settings, warm, measured, bodies, headers, timeout_s, prefix, progress
             )
         finally:
             gc.unfreeze()
@@ -598,10 +625,26 @@ async def run_requests(
                 await openai_client.close()
 
 
+async def _warm_up(
+    send: Sender,
+    warmups: list[RequestSpec],
+    bodies: dict[int, bytes],
+    headers: dict[int, dict[str, str]],
+    timeout_s: float,
+    warm: list[tuple[RequestSpec, StreamParser]],
+) -> None:
+    """The warm-up requests, one at a time; appended to ``warm``."""
+    for spec in warmups:
+        raw = await _stream(send, bodies[spec.request_id], headers[spec.request_id], timeout_s)
+        warm.append((spec, raw))
+        if raw.error:
+            log.warning("warm-up request %d failed: %s", spec.request_id, raw.error)
+
+
 async def _run(
     send: Sender,
     settings: ClientSettings,
-    warmups: list[RequestSpec],
+    warm: list[tuple[RequestSpec, StreamParser]],
     measured: list[RequestSpec],
     bodies: dict[int, bytes],
     headers: dict[int, dict[str, str]],
@@ -609,12 +652,7 @@ async def _run(
     prefix: str,
     progress: Progress | None,
 ) -> RunResult:
-    warm = []
-    for spec in warmups:
-        raw = await _stream(send, bodies[spec.request_id], headers[spec.request_id], timeout_s)
-        warm.append((spec, raw))
-        if raw.error:
-            log.warning("warm-up request %d failed: %s", spec.request_id, raw.error)
+    """The measured requests, each at its instant; then every request as a record."""
     results: dict[int, StreamParser] = {}
     slots = asyncio.Semaphore(settings.max_concurrency) if settings.max_concurrency else None
 
