@@ -351,7 +351,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         served_names=served,
         root=args.model,
         max_model_len=max_model_len,
-        tensor_parallel=args.tensor_parallel_size,
         fingerprint=wire.system_fingerprint(
             args.tensor_parallel_size, json.dumps(vars(args), default=str)
         ),

@@ -48,7 +48,6 @@ class ServerSettings:
     served_names: list[str]
     root: str
     max_model_len: int
-    tensor_parallel: int
     fingerprint: str
     kv_role: str | None
     faults: Faults
@@ -249,7 +248,9 @@ class Emulator:
             )
         if isinstance(prompt, str):
             tokens, is_text = self.settings.text_counter.count(prompt), True
-        elif all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        elif isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+        ):
             tokens, is_text = len(prompt), False
         else:
             raise RequestError(
