@@ -37,11 +37,16 @@ A100_MIB = gpu_spec("A100-SXM4-80GB").memory_gib * 1024
 
 
 def _free_base() -> int:
-    """A block of 1000 ports, all free now (each test has its own: no collisions), below the
-    kernel's ephemeral range (32768+) so no client connection can be holding one."""
-    for _ in range(50):
+    """A block of 1000 ports whose every port a test deployment may bind is free now (each
+    test has its own), below the kernel's ephemeral range (32768+) so no client connection
+    can be holding one."""
+    for _ in range(100):
         base = random.randrange(10000, 31000, 1000)
-        if all(port_problem("127.0.0.1", base + o) is None for o in range(0, 1000, 7)):
+        ports = set(_ports(base).values())
+        ports |= {_ports(base)["etcd"] + 1}  # etcd's peer port
+        ports |= {_ports(base)["mooncake"] + d for d in range(0, 120)}  # transfer engines
+        ports |= {_ports(base)["bootstrap"] + d for d in range(8)}
+        if all(port_problem("127.0.0.1", p) is None for p in ports):
             return base
     raise RuntimeError("no free port block")
 
