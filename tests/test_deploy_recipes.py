@@ -274,3 +274,17 @@ def test_dry_run_names_an_unknown_model():
     )
     assert result.returncode == 1
     assert "unknown model 'nope'" in result.stderr
+
+
+def test_engine_kv_settings_reach_the_command_lines(default_config):
+    raw = {
+        **default_config,
+        "backend": "emulator",
+        "engine": {"kv_buffer_size": 4e9, "kv_link": {"nic_gb_s": 12.5}},
+    }
+    cell = find_cell(config.load(raw), "Qwen2.5-72B-Instruct", "mooncake-rdma", "v0")
+    prefill = plan(cell).processes[1]
+    kv = prefill.argv[prefill.argv.index("--kv-transfer-config") + 1]
+    assert kv.endswith('"kv_buffer_size":4e9}')
+    assert json.loads(prefill.env["SERVEMATRIX_EMULATOR_KV_LINK"]) == {"nic_gb_s": 12.5}
+    assert "SERVEMATRIX_EMULATOR_KV_LINK" not in plan(cell, "vllm").processes[1].env

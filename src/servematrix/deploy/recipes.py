@@ -14,7 +14,9 @@ to those lines always comes *after* them, so the published line stays a prefix o
 
 For backend ``emulator`` the executable part (``vllm serve`` or
 ``python3 -m vllm.entrypoints.openai.api_server``) is replaced by ``servematrix-emulator serve``;
-every other token, the environment and the ports are identical to backend ``vllm``.
+every other token, the environment and the ports are identical to backend ``vllm`` (a config's
+``engine.kv_link`` overrides of the modelled KV link reach emulator instances as
+``SERVEMATRIX_EMULATOR_KV_LINK``; ``engine.kv_buffer_size`` is the v0 ``kv_buffer_size`` of both).
 
 Argv lists only: nothing here builds a shell string from config values (the dry run quotes
 them for display with :func:`shlex.join`).
@@ -31,6 +33,7 @@ from typing import Any
 from servematrix.config import Cell
 
 EMULATOR_EXECUTABLE = ("servematrix-emulator", "serve")
+EMULATOR_KV_LINK_ENV = "SERVEMATRIX_EMULATOR_KV_LINK"
 PROXY_EXECUTABLE = ("python3", "-m", "servematrix.proxy")
 DEPLOYMENT_DIR = "@DEPLOYMENT_DIR@"
 """Placeholder for the deployment's own directory (mooncake.json, etcd data): filled in after
@@ -147,7 +150,6 @@ DEFAULT_DEPLOY = {
 }
 MOONCAKE_DECODE_OFFSET = 100
 """Decode transfer-engine base port = prefill's + 100 (what vLLM 0.6 does for equal URLs)."""
-KV_BUFFER_SIZE = "2e9"
 
 
 @dataclass(frozen=True)
@@ -288,10 +290,16 @@ def _fill(template: Any, values: Mapping[str, Any]) -> Any:
     return template
 
 
-def _kv_json(config: Mapping[str, Any]) -> str:
+def _kv_json(config: Mapping[str, Any], buffer_size: str) -> str:
     """The flag's JSON exactly as the published lines spell it (compact; 2e9 unquoted)."""
     text = json.dumps(config, separators=(",", ":"))
-    return text.replace(f'"{KV_BUFFER_SIZE}"', KV_BUFFER_SIZE)
+    return text.replace(f'"{buffer_size}"', buffer_size)
+
+
+def _scientific(value: float) -> str:
+    """2e9 -> '2e9', 1.5e9 -> '1.5e9': bytes as the published kv_buffer_size spells them."""
+    mantissa, exponent = f"{value:e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
 def _number(value: float) -> str:
@@ -326,10 +334,12 @@ def _server_argv(
         "max_model_len": cell.serving.max_model_len,
         "gpu_memory_utilization": _number(cell.serving.gpu_memory_utilization),
         "protocol": cell.mode.kv_protocol,
-        "kv_buffer_size": KV_BUFFER_SIZE,
+        # engine.kv_buffer_size: the v0 producer's lookup buffer, for vLLM and the emulator alike
+        "kv_buffer_size": _scientific(float(cell.engine.get("kv_buffer_size", 2e9))),
     }
     if role is not None:
-        values["kv_transfer_config"] = _kv_json(_fill(recipe.kv_transfer_config[role], values))
+        config = _fill(recipe.kv_transfer_config[role], values)
+        values["kv_transfer_config"] = _kv_json(config, values["kv_buffer_size"])
     executable = list(EMULATOR_EXECUTABLE if backend == "emulator" else recipe.executable)
     argv = executable
     for segment in recipe.args:
@@ -429,6 +439,9 @@ def plan(cell: Cell, backend: str | None = None) -> Plan:
             if recipe.etcd:
                 base = ports["mooncake"] + (0 if role == "kv_producer" else MOONCAKE_DECODE_OFFSET)
                 extra += _mooncake_ports(base, cell.model.tensor_parallel)
+        if backend == "emulator" and role is not None and cell.engine.get("kv_link"):
+            # engine.kv_link overrides of the modelled KV link (emulator only; vLLM has a wire)
+            env[EMULATOR_KV_LINK_ENV] = json.dumps(dict(cell.engine["kv_link"]), sort_keys=True)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         argv = _server_argv(recipe, cell, backend, port, role, host)
         return Process(
