@@ -94,12 +94,26 @@ def test_summary_columns_and_types(tmp_path: Path) -> None:
     df = aggregate.summarize([write_trace(tmp_path, "a", identity())])
 
     metric_names = [f.name for f in fields(metrics.CellMetrics)]
-    memory = list(aggregate.MEMORY_COLUMNS)
-    assert df.columns == [*trace.IDENTITY_COLUMNS, *metric_names, *memory, "trace"]
+    workload, memory = list(aggregate.WORKLOAD_COLUMNS), list(aggregate.MEMORY_COLUMNS)
+    assert df.columns == [*trace.IDENTITY_COLUMNS, *metric_names, *workload, *memory, "trace"]
     assert df.schema["qps"] == pl.Float64
     assert df.schema["input_len"] == pl.Int32
     assert df.schema["completed"] == pl.Int64
     assert df.schema["mean_ttft_ms"] == pl.Float64
+
+
+def test_summary_reads_the_concurrency_cap_from_the_metadata(tmp_path: Path) -> None:
+    """A workflow cell's config, or `servematrix bench`'s workload; null when neither says."""
+    capped = tmp_path / "capped.parquet"
+    capped_cell = {"cell": {"workload": {"max_concurrency": 4}}}
+    trace.write(capped, identity(qps=4.0), records(), capped_cell)
+    bench = tmp_path / "bench.parquet"
+    trace.write(bench, identity(qps=8.0), records(), {"workload": {"max_concurrency": 2}})
+    plain = write_trace(tmp_path, "plain", identity(qps=2.0))
+
+    df = aggregate.summarize([capped, bench, plain])
+
+    assert dict(zip(df["qps"], df["max_concurrency"], strict=True)) == {2.0: None, 4.0: 4, 8.0: 2}
 
 
 def test_summary_sorted_by_model_mode_input_len_qps(tmp_path: Path) -> None:

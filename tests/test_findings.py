@@ -201,6 +201,22 @@ def test_healthy_harness() -> None:
     assert sentences[1] == "No request failed in any of the 4 cells."
 
 
+def test_a_concurrency_cap_is_not_called_a_lagging_client() -> None:
+    """Under max_concurrency a request waits for a slot: slow sending is the workload's doing."""
+    rows = [
+        cell("m", "single", 4, 100.0, max_concurrency=2, achieved_qps=3.1, send_lag_p99_ms=640.0),
+        cell("m", "single", 8, 100.0, max_concurrency=2),
+    ]
+    sentences = section(findings(rows), "Harness health and failures")
+    assert sentences == [
+        "The load generator kept every cell within 1% of its schedule's rate with a P99 send "
+        "lag of at most 5 ms where no concurrency cap held requests back.",
+        "m at QPS 4 held at most 2 requests in flight (max_concurrency): its sending rate "
+        "and P99 send lag (640.0 ms) include waiting for a free slot.",
+        "No request failed in any of the 2 cells.",
+    ]
+
+
 def test_single_cell_does_not_compare() -> None:
     result = findings([cell("m", "single", 2, 100.0)])
     assert titles(result) == ["Saturation", "Harness health and failures"]

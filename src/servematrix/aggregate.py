@@ -51,6 +51,11 @@ HTML_STYLE = (
 )
 
 
+WORKLOAD_COLUMNS = {"max_concurrency": pl.Int64()}
+"""Workload settings the identity columns omit, from the trace metadata (the cell's config, or
+``servematrix bench``'s workload); null where a trace has none. ``max_concurrency`` tells the
+findings that a cell's send lag includes waiting for a free slot."""
+
 MEMORY_COLUMNS = {"peak_gpu_memory_mib": pl.Float64(), "peak_kv_cache_usage": pl.Float64()}
 """From the trace metadata's ``memory`` (servematrix.deploy.memory): measured on vllm,
 modelled on emulator and simulator; null where a trace has none."""
@@ -61,7 +66,7 @@ def _summary_schema() -> dict[str, pl.DataType]:
     identity = pl.DataFrame(pa.schema(trace.IDENTITY_COLUMNS).empty_table()).schema
     numeric = {"int": pl.Int64(), "float": pl.Float64()}
     measured = {f.name: numeric[str(f.type)] for f in fields(metrics.CellMetrics)}
-    return {**identity, **measured, **MEMORY_COLUMNS, "trace": pl.String()}
+    return {**identity, **measured, **WORKLOAD_COLUMNS, **MEMORY_COLUMNS, "trace": pl.String()}
 
 
 SUMMARY_SCHEMA = _summary_schema()
@@ -84,12 +89,16 @@ def summary_row(
 ) -> dict[str, Any]:
     table = trace.read(path)
     cell = metrics.compute(table, slo_ms, source=path)
-    memory_use = trace.read_metadata(path).get("memory") or {}
-    memory_columns = {name: memory_use.get(name) for name in MEMORY_COLUMNS}
+    metadata = trace.read_metadata(path)
+    cell_config = metadata.get("cell")
+    workload = cell_config.get("workload") if isinstance(cell_config, dict) else None
+    workload = workload or metadata.get("workload") or {}
+    memory_use = metadata.get("memory") or {}
     return {
         **cell_identity(table, path),
         **asdict(cell),
-        **memory_columns,
+        **{name: workload.get(name) for name in WORKLOAD_COLUMNS},
+        **{name: memory_use.get(name) for name in MEMORY_COLUMNS},
         "trace": os.fspath(path),
     }
 
