@@ -21,18 +21,37 @@ DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue")
 
 
 def unavailable() -> str | None:
-    """Why no cluster can be stood up here (None: it can)."""
+    """Why no cluster can be stood up here (None: it can). As root on Debian, missing packages
+    are installed first, as the reference recipe does, so a fresh machine runs the test too."""
     if os.geteuid() != 0:
         return "SLURM test needs root (slurmd runs jobs as any user)"
-    missing = [
+    missing = _missing()
+    if missing and shutil.which("apt-get"):
+        _install_packages()
+        missing = _missing()
+    if missing:
+        names = ", ".join(missing)
+        return f"SLURM cannot be set up: {names} missing after apt-get install slurm-wlm munge"
+    return None
+
+
+def _missing() -> list[str]:
+    return [
         name
         for name in DAEMONS
         if shutil.which(name) is None and not Path(f"/usr/sbin/{name}").exists()
     ]
-    if missing:
-        names = ", ".join(missing)
-        return f"SLURM cannot be set up: {names} missing (apt-get install slurm-wlm munge)"
-    return None
+
+
+def _install_packages() -> None:
+    """``apt-get install slurm-wlm munge``; a failure shows as the daemons still missing."""
+    quiet = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "slurm-wlm", "munge"],
+    ):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run(command, env=quiet, capture_output=True, timeout=600)
 
 
 def _free_port() -> int:
