@@ -20,7 +20,7 @@ config.clear()
 config.update(SB.raw)
 
 STUDIES = SB.studies
-FIGURES = ("ttft", "tpot", "itl", "throughput")
+FIGURES = ("ttft", "tpot", "itl", "throughput", "memory")
 # The workload's file name is spelled by servematrix.config.workload_token alone.
 CELL_PATTERN = "{recipe}/{model}/{mode}/{workload}"
 

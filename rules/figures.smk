@@ -1,4 +1,5 @@
-# The published study's figures: TTFT, TPOT and ITL (mean, median, P99) and throughput against x.
+# The published study's figures: TTFT, TPOT and ITL (mean, median, P99), throughput and memory
+# (peak GPU memory, peak KV-cache usage) against x.
 
 
 rule figures:

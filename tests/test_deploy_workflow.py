@@ -174,6 +174,9 @@ def test_study_runs_every_mode_and_starts_each_deployment_once(tmp_path):
         # sampled from every instance's /metrics (a short cell may find its cache empty)
         assert all(memory_use["kv_cache_usage"].values())
         assert 0 <= memory_use["peak_kv_cache_usage"] < 1
+        # the modelled weights and KV pool of the engine the emulator runs
+        assert 0 < memory_use["weights_mib_per_gpu"] < memory_use["peak_gpu_memory_mib"]
+        assert memory_use["kv_pool_blocks"] > 0 and memory_use["kv_pool_mib_per_gpu"] > 0
     summary = pq.read_table(workdir / "results/emulator/summary/mooncake.parquet")
     assert None not in summary.column("peak_kv_cache_usage").to_pylist()
     assert None not in summary.column("peak_gpu_memory_mib").to_pylist()

@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 
 from servematrix.figures import (
+    MEMORY_PANELS,
     build_figure,
     choose_layout,
     latency_panels,
@@ -38,6 +39,8 @@ def make_summary(models: list[str], modes: list[str], xs: list[float], x: str = 
                     "output_throughput": 6.0 * (k + 1),
                     "request_throughput": 1.0 * (k + 1),
                     "request_goodput": 0.8 * (k + 1),
+                    "peak_gpu_memory_mib": 64_839.7,
+                    "peak_kv_cache_usage": min(0.05 * (i + 1) * (j + 1) * (k + 1), 1.0),
                 }
                 for family, scale in (("ttft", 1.0), ("tpot", 0.2), ("itl", 0.15)):
                     row |= {f"{s}_{family}_ms": base * scale * (1 + n) for n, s in enumerate(STATS)}
@@ -63,7 +66,9 @@ def svg_text(path: Path) -> str:
 def test_writes_every_figure_as_svg_and_html(rendered: list[Path]) -> None:
     names = sorted(p.name for p in rendered)
     expected = [
-        f"{f}.{ext}" for f in ("itl", "throughput", "tpot", "ttft") for ext in ("html", "svg")
+        f"{f}.{ext}"
+        for f in ("itl", "memory", "throughput", "tpot", "ttft")
+        for ext in ("html", "svg")
     ]
     assert names == expected
     assert all(p.stat().st_size > 0 for p in rendered)
@@ -103,9 +108,12 @@ def test_html_is_interactive_and_offline(rendered: list[Path]) -> None:
         assert not re.search(r"""<link[^>]*href\s*=\s*["']?http""", page)
         assert "vegaEmbed" in page
         assert "Disaggregation" in page
-        assert {"ttft": "Mean TTFT", "tpot": "P99 TPOT", "itl": "Median ITL"}.get(
-            path.stem, "Goodput"
-        ) in page
+        assert {
+            "ttft": "Mean TTFT",
+            "tpot": "P99 TPOT",
+            "itl": "Median ITL",
+            "memory": "Peak GPU memory (MiB)",
+        }.get(path.stem, "Goodput") in page
 
 
 def test_input_length_axis(tmp_path: Path) -> None:
@@ -150,8 +158,48 @@ def test_missing_values_and_single_point_render(tmp_path: Path) -> None:
         pl.lit(math.inf).alias("output_throughput"),
     )
     paths = write_study_figures(summary, "Degenerate", "qps", tmp_path)
-    assert len(paths) == 8
+    assert len(paths) == 10
     assert "P99 TTFT" in svg_text(tmp_path / "ttft.svg")
+
+
+def test_memory_figure_shows_both_peaks(rendered: list[Path]) -> None:
+    text = svg_text(rendered[0].parent / "memory.svg")
+    for label in (
+        f"Memory — {TITLE}",
+        "Peak GPU memory (busiest GPU)",
+        "Peak GPU memory (MiB)",
+        "Peak KV-cache usage (busiest instance)",
+        "Peak share of KV blocks in use (0-1)",
+        "Model: Qwen-72B",
+        "mooncake-tcp",
+    ):
+        assert label in text, label
+
+
+def test_memory_figure_renders_with_null_values(tmp_path: Path) -> None:
+    """vllm without NVML has no GPU memory, a cell without /metrics no KV usage: those cells
+    have no point, the others still do; an all-null column gives an empty panel, no error."""
+    summary = make_summary(["a", "b"], ["single"], [2, 4, 8])
+    partly = summary.with_columns(
+        pl.when(pl.col("qps") == 4.0)
+        .then(None)
+        .otherwise(pl.col("peak_kv_cache_usage"))
+        .alias("peak_kv_cache_usage"),
+        pl.lit(None, pl.Float64).alias("peak_gpu_memory_mib"),
+    )
+    spec = build_figure(partly, "t", "qps", MEMORY_PANELS).to_dict()
+    values = [
+        row["peak_kv_cache_usage"]
+        for data in spec["datasets"].values()
+        for row in data
+        if "peak_kv_cache_usage" in row
+    ]
+    assert values.count(None) == 2 and len([v for v in values if v is not None]) == 4
+    write_study_figures(partly, "Partly measured", "qps", tmp_path)
+    text = svg_text(tmp_path / "memory.svg")
+    assert "Peak GPU memory (MiB)" in text
+    # 4 KV-usage points (2 models x 2 QPS values), none for GPU memory.
+    assert (tmp_path / "memory.svg").read_text().count('aria-roledescription="point"') == 4
 
 
 @pytest.mark.parametrize(

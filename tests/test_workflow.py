@@ -41,7 +41,7 @@ def test_all_builds_every_output_of_every_study(finished_run):
         assert summary.height == rows
         assert (summary["completed"] == 20).all()
         assert (base / "summary" / f"{study}.csv").is_file()
-        for figure in ("ttft", "tpot", "itl", "throughput"):
+        for figure in ("ttft", "tpot", "itl", "throughput", "memory"):
             assert (base / "figures" / study / f"{figure}.svg").stat().st_size > 1000
             html = (base / "figures" / study / f"{figure}.html").read_text()
             assert "cdn.jsdelivr" not in html

@@ -49,20 +49,23 @@ def check_backend(backend: str) -> None:
 
 
 def _run_simulator(cell: Cell) -> BackendRun:
-    from servematrix.deploy.memory import modelled_gpu_mib
+    from servematrix.deploy.memory import simulated
     from servematrix.simulate import simulate
 
     result = simulate(cell)
     gpu = str(cell.engine.get("gpu", "A100-SXM4-80GB"))
-    peak = round(modelled_gpu_mib(gpu, cell.serving.gpu_memory_utilization), 1)
-    # The modelled GPU memory, as the emulator reports it; KV-cache usage over time is not
-    # recorded by the simulator's engine yet (None).
-    memory_use = {
-        "gpu_memory_source": f"modelled ({gpu}, gpu_memory_utilization)",
-        "peak_gpu_memory_mib": peak,
-        "peak_kv_cache_usage": None,
-    }
+    util = cell.serving.gpu_memory_utilization
+    memory_use = simulated(gpu, util, result.kv, result.peak_kv_blocks)
     return BackendRun(result.records, {"engine": result.engine_parameters, "memory": memory_use})
+
+
+def _modelled_layout(cell: Cell) -> dict[str, Any]:
+    """The emulator's modelled weights and KV pool: it builds the simulator's engine from the
+    vLLM flags the cell's deployment passes it."""
+    from servematrix.deploy.memory import modelled_layout
+    from servematrix.simulate import engine_setup
+
+    return modelled_layout(engine_setup(cell).kv)
 
 
 def _requests(cell: Cell) -> list:
@@ -134,9 +137,10 @@ def _run_deployed(cell: Cell) -> BackendRun:
                 )
                 gpu = str(cell.engine.get("gpu", "A100-SXM4-80GB"))
                 util = cell.serving.gpu_memory_utilization
+                layout = _modelled_layout(cell) if cell.backend == "emulator" else None
                 with (
                     lease.watched(),
-                    memory.sampled(plan, cell.backend, gpu, util) as memory_use,
+                    memory.sampled(plan, cell.backend, gpu, util, layout) as memory_use,
                 ):
                     records, client = _measure(cell, lease.base_url)
                 problem = lease.problem()

@@ -1,10 +1,13 @@
-"""Study figures: TTFT, TPOT, ITL and throughput against the study's x axis.
+"""Study figures: TTFT, TPOT, ITL, throughput and memory against the study's x axis.
 
 Each figure is a grid of panels: one column per statistic (mean, median, P99) or throughput
 measure, and one row per model when a study varies both the model and the serving mode (the
 Mooncake studies); otherwise a single row with one line per mode or per model, whichever varies.
-Every figure is written twice: as SVG (static, for the report) and as interactive HTML with the
-Vega libraries inlined, so both render without network access.
+The memory figure shows the summary's peak GPU memory and peak KV-cache usage
+(``servematrix.deploy.memory``: measured on vllm, modelled on the emulator and the simulator); a
+cell without them (null) has no point. Every figure is written twice: as SVG (static, for the
+report) and as interactive HTML with the Vega libraries inlined, so both render without network
+access.
 """
 
 from __future__ import annotations
@@ -65,6 +68,16 @@ THROUGHPUT_PANELS = [
     Panel("output_throughput", "Output token throughput", "Output tokens/s"),
     Panel("request_throughput", "Request throughput", "Completed requests/s"),
     Panel("request_goodput", "Goodput (requests meeting the SLOs)", "Good requests/s"),
+]
+
+
+MEMORY_PANELS = [
+    Panel("peak_gpu_memory_mib", "Peak GPU memory (busiest GPU)", "Peak GPU memory (MiB)"),
+    Panel(
+        "peak_kv_cache_usage",
+        "Peak KV-cache usage (busiest instance)",
+        "Peak share of KV blocks in use (0-1)",
+    ),
 ]
 
 
@@ -209,11 +222,12 @@ def study_figures(summary: pl.DataFrame, title: str, x: str) -> dict[str, alt.VC
         for family, label in LATENCY_FAMILIES.items()
     }
     figures["throughput"] = build_figure(summary, f"Throughput — {title}", x, THROUGHPUT_PANELS)
+    figures["memory"] = build_figure(summary, f"Memory — {title}", x, MEMORY_PANELS)
     return figures
 
 
 def write_study_figures(summary: pl.DataFrame, title: str, x: str, out_dir: Path) -> list[Path]:
-    """Write ``{ttft,tpot,itl,throughput}.{svg,html}`` for one study; returns the paths written."""
+    """Write ``{ttft,tpot,itl,throughput,memory}.{svg,html}`` for one study; returns the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

@@ -38,7 +38,7 @@ import numpy as np
 
 from servematrix.config import Cell
 from servematrix.engine.instance import DecodeRun, EngineInstance, StepResult
-from servematrix.engine.kvcache import kv_bytes_per_token_per_gpu
+from servematrix.engine.kvcache import KvMemoryPlan, kv_bytes_per_token_per_gpu
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import (
     DEFAULT_GPU,
@@ -63,8 +63,14 @@ from servematrix.workload import RequestLengths, TokenCounter, request_lengths
 
 @dataclass
 class SimulationResult:
+    """``kv`` is the modelled per-GPU memory layout every instance shares;
+    ``peak_kv_blocks`` the most KV blocks each instance had in use at once (warm-ups
+    included, as a server's own gauge would see them), in instance order (prefill, decode)."""
+
     records: list[RequestRecord]
     engine_parameters: dict[str, Any]
+    kv: KvMemoryPlan
+    peak_kv_blocks: list[int]
 
 
 def simulate(cell: Cell, step_time: StepTimeModel | None = None) -> SimulationResult:
@@ -92,7 +98,7 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 
 def _simulate(cell: Cell, step_time: StepTimeModel | None) -> SimulationResult:
-    setup = _setup(cell, step_time)
+    setup = engine_setup(cell, step_time)
     workload = cell.workload
     sends = arrival_times(workload.num_prompts, workload.qps, workload.burstiness, workload.seed)
     counter = None if workload.dataset == "random" else TokenCounter.for_model(cell.model.hf_id)
@@ -107,10 +113,17 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None) -> SimulationResult:
     parameters = _parameters(cell, setup, driver)
     if counter is not None:
         parameters["token_counter"] = counter.description
-    return SimulationResult(records=records, engine_parameters=parameters)
+    return SimulationResult(
+        records=records,
+        engine_parameters=parameters,
+        kv=setup.kv,
+        peak_kv_blocks=[instance.scheduler.pool.peak_used_blocks for instance in instances],
+    )
 
 
-def _setup(cell: Cell, step_time: StepTimeModel | None) -> EngineSetup:
+def engine_setup(cell: Cell, step_time: StepTimeModel | None = None) -> EngineSetup:
+    """The engine every instance of the cell runs (the emulator builds the same one from the
+    vLLM flags the cell's deployment passes it)."""
     serving = cell.serving
     return build_engine_setup(
         cell.model.architecture,

@@ -9,9 +9,27 @@ instance's KV-cache usage.
   models.
 * Both: KV-cache usage over time from each instance's Prometheus ``/metrics``
   (``vllm:kv_cache_usage_perc`` in V1, ``vllm:gpu_cache_usage_perc`` in 0.6; 0..1).
+* Backend ``simulator`` (:func:`simulated`): the same modelled claim, and the exact peak of KV
+  blocks in use (no sampling: the engine's pool records its fewest free blocks).
 
 The result goes into the trace metadata under ``memory``; ``peak_gpu_memory_mib`` and
-``peak_kv_cache_usage`` are what a summary needs.
+``peak_kv_cache_usage`` are what a summary needs. Keys:
+
+* ``gpu_memory_source``: ``nvml``, or ``modelled (<gpu>, gpu_memory_utilization)``;
+* ``peak_gpu_memory_mib``: the most memory used on any pinned GPU (MiB; vllm: NVML, else the
+  modelled claim);
+* ``peak_kv_cache_usage``: the most KV blocks in use at once over the pool's blocks (0..1),
+  the quantity of vLLM's ``kv_cache_usage_perc``, on the busiest instance (vllm and emulator:
+  the highest ``/metrics`` sample, so a peak between samples is missed; simulator: exact);
+* vllm and emulator: ``sample_s``, ``gpus`` (per pinned GPU id: ``peak_used_mib`` and
+  ``samples`` of [s, MiB]; one modelled sample on the emulator) and ``kv_cache_usage`` (per
+  instance: samples of [s, usage]); ``gpu_memory_error`` when NVML failed;
+* emulator and simulator (:func:`modelled_layout`, what ``servematrix.engine.kvcache`` sizes
+  per GPU of every instance): ``weights_mib_per_gpu`` (the GPU's tensor-parallel shard of the
+  weights), ``kv_pool_mib_per_gpu`` (the KV pool), ``kv_pool_blocks`` (blocks per instance) and
+  ``kv_block_size_tokens``;
+* simulator: ``peak_kv_blocks``, the most blocks in use per instance (instance order; prefill
+  then decode when disaggregated).
 """
 
 from __future__ import annotations
@@ -22,9 +40,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from servematrix.deploy.recipes import Plan
+
+if TYPE_CHECKING:
+    from servematrix.engine.kvcache import KvMemoryPlan
 
 SAMPLE_S = 0.5
 KV_USAGE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -70,13 +91,42 @@ def modelled_gpu_mib(gpu: str, gpu_memory_utilization: float) -> float:
     return gpu_spec(gpu).memory_bytes * gpu_memory_utilization / MIB
 
 
+def modelled_layout(kv: KvMemoryPlan) -> dict[str, Any]:
+    """The modelled per-GPU split of one instance's memory (the module docstring's keys)."""
+    return {
+        "weights_mib_per_gpu": round(kv.weights_gib * 1024, 1),
+        "kv_pool_mib_per_gpu": round(kv.kv_cache_gib * 1024, 1),
+        "kv_pool_blocks": kv.num_blocks,
+        "kv_block_size_tokens": kv.block_size_tokens,
+    }
+
+
+def simulated(
+    gpu: str, gpu_memory_utilization: float, kv: KvMemoryPlan, peak_kv_blocks: list[int]
+) -> dict[str, Any]:
+    """The simulator's ``memory``: the modelled claim and layout, and its exact KV peak."""
+    return {
+        "gpu_memory_source": f"modelled ({gpu}, gpu_memory_utilization)",
+        **modelled_layout(kv),
+        "peak_kv_blocks": peak_kv_blocks,
+        "peak_gpu_memory_mib": round(modelled_gpu_mib(gpu, gpu_memory_utilization), 1),
+        "peak_kv_cache_usage": max(peak_kv_blocks) / kv.num_blocks,
+    }
+
+
 @contextmanager
 def sampled(
-    plan: Plan, backend: str, modelled_gpu: str, gpu_memory_utilization: float
+    plan: Plan,
+    backend: str,
+    modelled_gpu: str,
+    gpu_memory_utilization: float,
+    layout: dict[str, Any] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Sample in a thread while the block runs; the yielded dict is filled in at the end."""
+    """Sample in a thread while the block runs; the yielded dict is filled in at the end.
+
+    ``layout`` (emulator: :func:`modelled_layout` of the engine it runs) goes in as it is."""
     instances = {p.name: p.health.url.rsplit("/", 1)[0] for p in plan.processes if p.gpus}
-    result: dict[str, Any] = {"sample_s": SAMPLE_S}
+    result: dict[str, Any] = {"sample_s": SAMPLE_S, **(layout or {})}
     kv: dict[str, list[list[float]]] = {name: [] for name in instances}
     gpu_samples: dict[int, list[list[float]]] = {gpu: [] for gpu in plan.gpus}
     nvml = None

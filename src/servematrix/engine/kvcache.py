@@ -146,12 +146,17 @@ class BlockPool:
     them instead of computing and allocating them. Cached blocks that no running request uses
     are evicted when an allocation would otherwise fail, as V1 evicts free cached blocks.
     Prompts without a group (random token ids) never hit, as in vLLM.
+
+    ``min_free_blocks`` is the fewest free blocks there have been, so ``peak_used_blocks``
+    is the most in use at once; it is updated where blocks are taken, one comparison per
+    allocation, which keeps the simulator's hot path as fast as without it.
     """
 
     __slots__ = (
         "block_size",
         "cached_blocks",
         "free_blocks",
+        "min_free_blocks",
         "num_blocks",
         "prefix_users",
         "watermark_blocks",
@@ -164,6 +169,7 @@ class BlockPool:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.free_blocks = num_blocks
+        self.min_free_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
         self.cached_blocks: dict[int, int] = {}  # prefix group -> blocks the cache holds
@@ -182,6 +188,8 @@ class BlockPool:
         if blocks > self.free_blocks and not self._evict(blocks):
             return False
         self.free_blocks -= blocks
+        if self.free_blocks < self.min_free_blocks:
+            self.min_free_blocks = self.free_blocks
         return True
 
     def free(self, blocks: int) -> None:
@@ -189,7 +197,14 @@ class BlockPool:
 
     @property
     def used_blocks(self) -> int:
+        """Blocks not free: held by requests or by the prefix cache (the emulator's
+        ``kv_cache_usage_perc`` is ``used_blocks / num_blocks``)."""
         return self.num_blocks - self.free_blocks
+
+    @property
+    def peak_used_blocks(self) -> int:
+        """The most blocks that were in use at once (``used_blocks`` at its peak)."""
+        return self.num_blocks - self.min_free_blocks
 
     # --- prefix cache ---------------------------------------------------------------------
 
