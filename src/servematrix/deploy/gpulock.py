@@ -19,6 +19,19 @@ from servematrix.deploy.supervise import DeployError
 POLL_S = 0.2
 
 
+def flock_before(fd: int, deadline: float) -> bool:
+    """Take an exclusive ``flock`` on ``fd``, polling until the monotonic ``deadline``; False
+    when another process still holds it then."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+
+
 class GpuLocks:
     """Context manager holding the locks of ``gpus`` (waits up to ``timeout_s`` for them)."""
 
@@ -43,18 +56,12 @@ class GpuLocks:
     def _take(self, gpu: int, deadline: float) -> int:
         path = self.lock_dir / f"gpu{gpu}.lock"
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    os.close(fd)
-                    raise DeployError(
-                        f"GPU {gpu} is locked by {self._holder_of(gpu)} ({path}); waited "
-                        f"{self.timeout_s:g} s (deploy.gpu_lock_timeout_s)"
-                    ) from None
-                time.sleep(POLL_S)
+        if not flock_before(fd, deadline):
+            os.close(fd)
+            raise DeployError(
+                f"GPU {gpu} is locked by {self._holder_of(gpu)} ({path}); waited "
+                f"{self.timeout_s:g} s (deploy.gpu_lock_timeout_s)"
+            )
         (self.lock_dir / f"gpu{gpu}.holder").write_text(f"pid {os.getpid()}: {self.holder}\n")
         return fd
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from servematrix.config import Cell
+from servematrix.deploy.gpulock import flock_before
 from servematrix.deploy.recipes import DEFAULT_DEPLOY, Plan
 from servematrix.deploy.supervise import (
     DeployError,
@@ -140,19 +141,12 @@ def lease(run_dir: Path, timeout_s: float, what: str) -> Iterator[int]:
     """Hold the deployment's lease lock (blocking up to ``timeout_s``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / "lease.lock", os.O_CREAT | os.O_RDWR, 0o666)
-    deadline = time.monotonic() + timeout_s
     try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise DeployError(
-                        f"{what}: deployment {run_dir.name} stayed in use by another cell for "
-                        f"{timeout_s:g} s"
-                    ) from None
-                time.sleep(0.2)
+        if not flock_before(fd, time.monotonic() + timeout_s):
+            raise DeployError(
+                f"{what}: deployment {run_dir.name} stayed in use by another cell for "
+                f"{timeout_s:g} s"
+            )
         yield fd
     finally:
         os.close(fd)
@@ -304,17 +298,10 @@ def acquire(plan: Plan, state_dir: Path, log_dir: Path, settings: Settings) -> L
 
 
 def _lock(fd: int, run_dir: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise DeployError(
-                    f"deployment {run_dir.name} stayed in use by another cell for {timeout_s:g} s"
-                ) from None
-            time.sleep(0.2)
+    if not flock_before(fd, time.monotonic() + timeout_s):
+        raise DeployError(
+            f"deployment {run_dir.name} stayed in use by another cell for {timeout_s:g} s"
+        )
 
 
 def _start(plan: Plan, run_dir: Path, log_dir: Path, settings: Settings) -> float:
