@@ -6,7 +6,8 @@ script
 
 1. simulates the cell (``servematrix.simulate``, mode ``single``: the client talks to one
    instance, no proxy);
-2. starts a fresh ``servematrix-emulator`` with the same flags a v0 deployment gets (so its jitter
+2. starts the deployment the ``emulator`` backend would start (``benchmarks/emulator_harness``:
+   ``servematrix.deploy.plan(cell, "emulator")``, a fresh ``servematrix-emulator``, so its jitter
    stream starts where the simulator's does: both seed it with (seed, instance 0)), drives the
    same seeded workload through it with ``servematrix.loadgen`` (warm-up first, then the
    schedule), and reads the server's own timestamps from ``/servematrix/requests``;
@@ -32,35 +33,31 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
+from emulator_harness import (
+    GPU,
+    METRICS,
+    STATS,
+    cell_for,
+    emulate,
+    metrics_of,
+    ratio_cells,
+    retimed,
+    table,
+)
 
 from servematrix import loadgen
-from servematrix.cell import identity
-from servematrix.config import MODES, Cell, Serving, Workload, load_file
-from servematrix.engine.architecture import load_architecture
+from servematrix.config import Cell
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import build_engine_setup
-from servematrix.metrics import CellMetrics, compute
 from servematrix.simulate import simulate
-from servematrix.trace import RequestRecord, to_table
-from servematrix.workload import build_requests
+from servematrix.trace import RequestRecord
 
-ROOT = Path(__file__).resolve().parents[1]
-EMULATOR = str(Path(sys.executable).with_name("servematrix-emulator"))
 MODELS = ("Qwen2.5-72B-Instruct", "Qwen2.5-7B-Instruct-GPTQ-Int4")
-GPU = "A100-SXM4-80GB"
-METRICS = ("ttft", "tpot", "itl")
-STATS = ("mean", "median", "p99")
 
 
 @dataclass
@@ -77,60 +74,9 @@ class Emulated:
     replay_max_ms: float  # largest |due - replayed| over every token
 
 
-def cell_for(model_name: str, qps: float, num_prompts: int) -> Cell:
-    config = load_file(ROOT / "config" / "config.yaml")
-    defaults = config.raw["defaults"]
-    workload = Workload(
-        qps=qps,
-        input_len=1024,
-        output_len=6,
-        num_prompts=num_prompts,
-        seed=0,
-        dataset="random",
-        burstiness=1.0,
-        warmup_requests=1,
-    )
-    return Cell(
-        backend="emulator",
-        recipe="v0",
-        model=config.models[model_name],
-        mode=MODES["single"],
-        workload=workload,
-        serving=Serving(defaults["max_model_len"], defaults["gpu_memory_utilization"]),
-        engine={"gpu": GPU},
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def emulate(cell: Cell) -> Emulated:
-    port = free_port()
-    argv = [
-        EMULATOR, "serve", cell.model.hf_id, "--recipe", cell.recipe, "--gpu", GPU,
-        "-tp", str(cell.model.tensor_parallel), "--max-model-len", str(cell.serving.max_model_len),
-        "--gpu-memory-utilization", str(cell.serving.gpu_memory_utilization),
-        "--seed", str(cell.workload.seed), "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        settings = loadgen.ClientSettings(
-            base_url=f"http://127.0.0.1:{port}", model=cell.model.hf_id, max_concurrency=None,
-            ready_timeout_s=120.0,
-        )  # fmt: skip
-        vocab = load_architecture(cell.model.architecture).vocab_size
-        result = loadgen.run(settings, build_requests(cell.workload, vocab), progress=None)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/servematrix/requests") as response:
-            server_log = json.load(response)
-    finally:
-        server.terminate()
-        _, stderr = server.communicate(timeout=30)
-    if server.returncode not in (0, -15):
-        raise RuntimeError(f"emulator failed ({server.returncode}): {stderr[-2000:]}")
-    return emulated(cell, result, server_log)
+def emulate_single(cell: Cell) -> Emulated:
+    run = emulate(cell)
+    return emulated(cell, run.result, run.logs["single"])
 
 
 def replay(cell: Cell, entries: list[dict]) -> list[list[float]]:
@@ -177,16 +123,8 @@ def emulated(cell: Cell, result: loadgen.RunResult, server_log: dict) -> Emulate
             read.append(np.array(record.chunk_s) + origin - written)
         arrival.append(entry["arrival_s"] - (record.sent_s + origin))
         entries.append(entry)
-        chunks = (written - origin).tolist()
         server_records.append(
-            replace(
-                record,
-                sent_s=entry["arrival_s"] - origin,
-                first_token_s=chunks[0],
-                end_s=chunks[-1],
-                chunk_s=chunks,
-                chunk_tokens=entry["chunk_tokens"],
-            )
+            retimed(record, origin, entry["arrival_s"], entry["chunk_s"], entry["chunk_tokens"])
         )
     errors = [
         np.abs(np.array(entry["token_due_s"]) - np.array(replayed))
@@ -203,33 +141,9 @@ def emulated(cell: Cell, result: loadgen.RunResult, server_log: dict) -> Emulate
     )
 
 
-def metrics_of(cell: Cell, records: list[RequestRecord]) -> CellMetrics:
-    return compute(to_table(identity(cell), records, {}))
-
-
-def ratio_cells(sim: CellMetrics, emu: CellMetrics) -> tuple[list[str], float]:
-    """Table cells "sim emu ratio" per metric and statistic, and the largest |ratio - 1|."""
-    cells, worst = [], 0.0
-    for metric in METRICS:
-        for stat in STATS:
-            s = getattr(sim, f"{stat}_{metric}_ms")
-            e = getattr(emu, f"{stat}_{metric}_ms")
-            cells.append(f"{s:.1f} / {e:.1f} / {e / s:.3f}")
-            worst = max(worst, abs(e / s - 1))
-    return cells, worst
-
-
 def percentiles(values_ms: np.ndarray) -> str:
     p50, p99 = np.percentile(values_ms, [50, 99])
     return f"{p50:.2f} / {p99:.2f} / {values_ms.max():.2f}"
-
-
-def table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    print(f"\n{title}\n")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for cells in rows:
-        print("| " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -250,10 +164,10 @@ def main() -> None:
     worst = {"client": 0.0, "server": 0.0}
     for model in MODELS:
         for qps in qps_list:
-            cell = cell_for(model, qps, num_prompts)
+            cell = cell_for(model, "v0", "single", qps, num_prompts)
             sim = metrics_of(cell, simulate(cell).records)
             started = time.perf_counter()
-            run = emulate(cell)
+            run = emulate_single(cell)
             elapsed = time.perf_counter() - started
             label = [model, f"{qps:g}"]
             for name, records, rows in (
@@ -262,7 +176,7 @@ def main() -> None:
             ):
                 cells, off = ratio_cells(sim, metrics_of(cell, records))
                 rows.append(label + cells)
-                worst[name] = max(worst[name], off)
+                worst[name] = max(worst[name], *off.values())
             client = metrics_of(cell, run.client)
             pacing_rows.append(
                 [

@@ -6,8 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SIMULATOR_SPEED = ROOT / "benchmarks" / "simulator_speed.py"
+EMULATOR_MODES = ROOT / "benchmarks" / "emulator_vs_simulator_modes.py"
 
 
 def test_simulator_speed_quick_prints_its_table() -> None:
@@ -32,3 +35,35 @@ def test_simulator_speed_quick_prints_its_table() -> None:
     assert any(line.split()[:3] == ["scope", "cells", "requests"] for line in lines if line)
     assert any(line.startswith("mooncake ") for line in lines)
     assert "selected studies (steady)" in result.stdout
+
+
+@pytest.mark.slow
+def test_emulator_vs_simulator_modes_runs_a_round_robin_and_a_disaggregated_cell() -> None:
+    """Both cells run on their real emulator deployments (proxy included) without a failed
+    request, and each prints a row in every table."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(EMULATOR_MODES),
+            "--recipes",
+            "v1",
+            "--modes",
+            "chunked,mooncake-rdma",
+            "--num-prompts",
+            "4",
+            "--qps",
+            "8",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for mode in ("chunked", "mooncake-rdma"):
+        rows = [line for line in result.stdout.splitlines() if line.startswith(f"| v1 | {mode} |")]
+        assert len(rows) == 4, result.stdout
+        failed = rows[2].split(" | ")[4]
+        assert failed == "0", rows[2]
+    assert "engine-side (first instance reads the request" in result.stdout
