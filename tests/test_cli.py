@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import yaml
 
@@ -68,3 +72,19 @@ def test_metrics_rejects_a_bad_slo(tmp_path):
 def test_metrics_names_a_missing_file(tmp_path, capsys):
     assert cli.main(["metrics", str(tmp_path / "none.parquet")]) == 1
     assert "none.parquet" in capsys.readouterr().err
+
+
+def test_metrics_piped_into_a_reader_that_stops_early(tmp_path):
+    """`servematrix metrics t.parquet | head -1`: no traceback when the pipe closes."""
+    path = tmp_path / "t.parquet"
+    trace.write(path, IDENTITY, [_request(0, 0.0, [0.1, 0.2, 0.3])], {})
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before the first line
+    run = subprocess.run(
+        [sys.executable, "-m", "servematrix.cli", "metrics", str(path)],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(write_end)
+    assert (run.returncode, run.stderr) == (0, "")

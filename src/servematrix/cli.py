@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -104,6 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (config.ConfigError, trace.TraceError, metrics.MetricsError) as error:
         print(f"servematrix: {error}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (`servematrix metrics t.parquet | head`): not an error of ours.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
