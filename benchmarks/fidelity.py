@@ -37,6 +37,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from servematrix.cell import identity
 from servematrix.config import MODES, Cell, ModelSpec, ModeSpec, Serving, Workload
@@ -534,25 +535,30 @@ def predict_validation(run: ValidationRun, seed: int) -> dict[str, float]:
     return _predict_serve(run, seed)
 
 
+def _offline_setup(run: ValidationRun, **overrides: Any) -> Any:
+    """The engine of a validation run's one instance (``build_engine_setup`` with the run's
+    model, GPU and serving settings; ``overrides`` add or replace keyword arguments)."""
+    from servematrix.engine.setup import build_engine_setup
+
+    settings = {
+        "quantization": run.quantization,
+        "tensor_parallel": run.tp,
+        "recipe": run.recipe,
+        "chunked_prefill": None,
+        "max_model_len": run.max_model_len,
+        "gpu_memory_utilization": run.gpu_memory_utilization,
+        "gpu": run.gpu,
+        "enforce_eager": run.enforce_eager,
+    }
+    return build_engine_setup(run.architecture, **{**settings, **overrides})
+
+
 def _predict_offline(run: ValidationRun, seed: int) -> dict[str, float]:
     """``LLM.generate([prompt])`` timed around the call: one request through one instance, no
     HTTP server or client in the path."""
     from servematrix.engine.scheduler import Request
-    from servematrix.engine.setup import build_engine_setup
 
-    setup = build_engine_setup(
-        run.architecture,
-        quantization=run.quantization,
-        tensor_parallel=run.tp,
-        recipe=run.recipe,
-        chunked_prefill=None,
-        max_model_len=run.max_model_len,
-        gpu_memory_utilization=run.gpu_memory_utilization,
-        gpu=run.gpu,
-        max_num_batched_tokens=_v0_chunked_budget(run),
-        enforce_eager=run.enforce_eager,
-    )
-    instance = setup.instance(seed)
+    instance = _offline_setup(run, max_num_batched_tokens=_v0_chunked_budget(run)).instance(seed)
     instance.add_request(Request(0, run.input_len, run.output_len))
     elapsed_s = 0.0
     while instance.has_work():
@@ -748,21 +754,8 @@ def implied_host_step_ms(run: ValidationRun) -> float:
     time minus the GPU steps, over the number of steps (v0 has no per-request part)."""
     from servematrix.engine.host import host_cost
     from servematrix.engine.scheduler import Request
-    from servematrix.engine.setup import build_engine_setup
 
-    setup = build_engine_setup(
-        run.architecture,
-        quantization=run.quantization,
-        tensor_parallel=run.tp,
-        recipe=run.recipe,
-        chunked_prefill=None,
-        max_model_len=run.max_model_len,
-        gpu_memory_utilization=run.gpu_memory_utilization,
-        gpu=run.gpu,
-        enforce_eager=run.enforce_eager,
-        jitter_cv=0.0,
-    )
-    instance = setup.instance(0)
+    instance = _offline_setup(run, jitter_cv=0.0).instance(0)
     instance.add_request(Request(0, run.input_len, run.output_len))
     elapsed_ms = 0.0
     while instance.has_work():

@@ -219,10 +219,7 @@ class Scheduler:
                 if request.num_generated >= request.max_tokens:
                     finished.append(request)
         if finished:
-            for request in finished:
-                self._release(request)
-            # Only the requests that just finished have all their tokens.
-            self.running = [r for r in self.running if r.num_generated < r.max_tokens]
+            self._finish(finished)
         return emitted, finished
 
     def decode_run_length(self) -> int:
@@ -264,10 +261,15 @@ class Scheduler:
             if request.num_generated >= request.max_tokens:
                 finished.append(request)
         if finished:
-            for request in finished:
-                self._release(request)
-            self.running = [r for r in self.running if r.num_generated < r.max_tokens]
+            self._finish(finished)
         return finished
+
+    def _finish(self, finished: list[Request]) -> None:
+        """Free the requests that have just generated their last token and drop them from the
+        running list (only they have all their tokens)."""
+        for request in finished:
+            self._release(request)
+        self.running = [r for r in self.running if r.num_generated < r.max_tokens]
 
     def _release(self, request: Request) -> None:
         """Give a request's own blocks back to the pool; its cached prefix blocks stay cached."""
