@@ -267,6 +267,8 @@ def test_a_port_already_taken(tmp_path):
     workdir, cfg, cell = _one_cell(tmp_path, "nondisagg")
     port = cfg["ports"]["decode"]
     with socket.socket() as holder:
+        # As a server binds: the port may still be in TIME_WAIT from an earlier test's block.
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         holder.bind(("127.0.0.1", port))
         holder.listen()
         result = _snakemake(workdir, cell)
