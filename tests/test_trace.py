@@ -155,6 +155,26 @@ def test_read_nulls_allowed_in_nullable_columns(tmp_path: Path) -> None:
     assert table.column("error").null_count == 2
 
 
+def test_preemptions_round_trip_and_default_to_null(tmp_path: Path) -> None:
+    path = tmp_path / "t.parquet"
+    rows = records()
+    rows[1].preemptions = 2  # the simulator knows; the others stay None (a client cannot)
+    trace.write(path, IDENTITY, rows, METADATA)
+
+    assert trace.read(path).column("preemptions").to_pylist() == [None, 2, None]
+
+
+def test_a_trace_written_before_preemptions_reads_with_them_null(tmp_path: Path) -> None:
+    older = good_table().drop_columns(["preemptions"])
+    path = write_table(tmp_path / "t.parquet", older.replace_schema_metadata(None))
+
+    table = trace.read(path)
+
+    assert table.schema.names == trace.SCHEMA.names
+    assert table.schema.field("preemptions").type == pa.int32()
+    assert table.column("preemptions").to_pylist() == [None, None, None]
+
+
 def test_read_not_parquet_names_file(tmp_path: Path) -> None:
     path = tmp_path / "t.parquet"
     path.write_text("backend,recipe\nsimulator,v1\n")

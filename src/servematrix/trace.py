@@ -4,8 +4,11 @@ The column contract is the design's trace schema; every backend writes it and ev
 downstream reads only it. ``request_input_len`` and ``request_output_len`` (the workload's
 planned lengths per request) joined the contract with variable-length workloads: a trace
 written before them fails `check` with "column is missing"; rebuild it (the workflow does, as
-the cell's parameters changed too). The file's key-value metadata holds one JSON document
-describing the cell (config, command lines, versions, host, engine parameters).
+the cell's parameters changed too). ``preemptions`` (how often the engine preempted the
+request; null where the backend cannot know, as a real server's client cannot) came later
+still and is optional on reading: a trace without it reads as all null. The file's key-value
+metadata holds one JSON document describing the cell (config, command lines, versions, host,
+engine parameters).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ REQUEST_COLUMNS: dict[str, pa.DataType] = {
     "error": pa.string(),
     "request_input_len": pa.int32(),
     "request_output_len": pa.int32(),
+    "preemptions": pa.int32(),
 }
 
 SCHEMA = pa.schema(
@@ -68,7 +72,9 @@ _POLARS_TYPES = {
     pa.list_(pa.int32()): pl.List(pl.Int32),
 }
 POLARS_SCHEMA = pl.Schema({field.name: _POLARS_TYPES[field.type] for field in SCHEMA})
-NULLABLE = {"first_token_s", "end_s", "error"}
+NULLABLE = {"first_token_s", "end_s", "error", "preemptions"}
+OPTIONAL = {"preemptions"}
+"""Columns a trace written before them lacks; `read` adds them, all null."""
 
 
 class TraceError(ValueError):
@@ -103,7 +109,8 @@ class RequestRecord:
     run before it and so have negative times. ``request_input_len`` and
     ``request_output_len`` are the dataset's planned lengths (``servematrix.workload``: the
     prompt's tokens and the ``max_tokens`` sent); ``prompt_tokens`` and ``completion_tokens``
-    are what the server reported.
+    are what the server reported. ``preemptions`` is how often the engine preempted the
+    request (the simulator knows; None where the backend cannot tell).
     """
 
     request_id: int
@@ -120,6 +127,7 @@ class RequestRecord:
     error: str | None = None
     request_input_len: int = field(kw_only=True)
     request_output_len: int = field(kw_only=True)
+    preemptions: int | None = field(default=None, kw_only=True)
 
 
 def to_table(
@@ -169,6 +177,8 @@ def check(table: pa.Table, path: str | os.PathLike[str]) -> None:
     """Raise TraceError unless ``table`` has every schema column, typed, without stray nulls."""
     for name, dtype in {**IDENTITY_COLUMNS, **REQUEST_COLUMNS}.items():
         if name not in table.column_names:
+            if name in OPTIONAL:
+                continue
             raise TraceError(path, name, "column is missing")
         actual = table.schema.field(name).type
         if actual != dtype:
@@ -193,7 +203,8 @@ def check(table: pa.Table, path: str | os.PathLike[str]) -> None:
 def read(path: str | os.PathLike[str]) -> pa.Table:
     """Read a trace and check it against the schema; errors name the file and the column.
 
-    Columns beyond the contract (server-side extras) are kept, after the contract's columns.
+    Columns beyond the contract (server-side extras) are kept, after the contract's columns;
+    an `OPTIONAL` column the file lacks is added, all null.
     """
     if not os.path.isfile(path):
         raise TraceError(path, None, "no such file")
@@ -202,6 +213,10 @@ def read(path: str | os.PathLike[str]) -> pa.Table:
     except (pa.ArrowException, OSError) as error:
         raise TraceError(path, None, f"not a readable Parquet file ({error})") from error
     check(table, path)
+    for name in OPTIONAL.difference(table.column_names):
+        table = table.append_column(
+            SCHEMA.field(name), pa.nulls(table.num_rows, SCHEMA.field(name).type)
+        )
     extras = [name for name in table.column_names if name not in SCHEMA.names]
     return table.select([*SCHEMA.names, *extras])
 
