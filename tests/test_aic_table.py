@@ -7,13 +7,20 @@ fallback must land within 30 % of it.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 import pytest
 
+from servematrix import trace
+from servematrix.cell import run_cell
+from servematrix.config import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.engine import aic_table
-from servematrix.engine.aic_table import AicStepTime, select_step_time_model
-from servematrix.engine.architecture import load_architecture
+from servematrix.engine import setup as engine_setup
+from servematrix.engine.aic_table import AicStepTime, StepTimeFallback, select_step_time_model
+from servematrix.engine.architecture import Architecture, load_architecture
+from servematrix.engine.setup import build_engine_setup
 from servematrix.engine.steptime import StepBatch
 
 A100 = "A100-SXM4-80GB"
@@ -135,16 +142,107 @@ def fake_roofline(arch, gpu, tp, quantization):
 )
 def test_fallback_to_roofline_says_why(arch, gpu, tp, quantization, why, cache, monkeypatch):
     monkeypatch.setenv("SERVEMATRIX_CACHE", str(cache))
-    model, label = select_step_time_model(arch, gpu, tp, quantization, roofline=fake_roofline)
-    assert model == ("roofline", arch, gpu, tp, quantization)
-    assert label.startswith("roofline (") and why in label
+    choice = select_step_time_model(arch, gpu, tp, quantization, roofline=fake_roofline)
+    assert choice.model == ("roofline", arch, gpu, tp, quantization)
+    assert choice.label.startswith("roofline (") and why in choice.label
+    assert choice.fallback is not None and choice.fallback.to == "roofline"
+    assert why in choice.fallback.reason and choice.label == f"roofline ({choice.fallback.reason})"
 
 
 def test_cohere_is_approximated_as_llama_and_says_so(cache, monkeypatch):
     monkeypatch.setenv("SERVEMATRIX_CACHE", str(cache))
-    model, label = select_step_time_model("command-r7b-12-2024", A100, 1, "bf16")
-    assert isinstance(model, AicStepTime)
-    assert (
-        "Cohere2ForCausalLM as Llama of the same dimensions" in label and "sliding-window" in label
+    choice = select_step_time_model("command-r7b-12-2024", A100, 1, "bf16")
+    assert isinstance(choice.model, AicStepTime) and choice.fallback is None
+    assert "Cohere2ForCausalLM as Llama of the same dimensions" in choice.label
+    assert "sliding-window" in choice.label
+    assert 5 < choice.model.step_ms(decode(1, 1024)) < 20
+
+
+# The roofline fallback is never silent: a warning, a field in the trace metadata, the report.
+
+
+def _setup(gpu: str, tp: int = 1, architecture: str | Architecture = "qwen2.5-7b"):
+    return build_engine_setup(
+        architecture,
+        quantization="bf16",
+        tensor_parallel=tp,
+        recipe="v1",
+        chunked_prefill=None,
+        max_model_len=4096,
+        gpu_memory_utilization=0.8,
+        gpu=gpu,
+        model_label="Qwen2.5-7B-Instruct (bf16)",
     )
-    assert 5 < model.step_ms(decode(1, 1024)) < 20
+
+
+@pytest.fixture
+def warned(monkeypatch, cache) -> set:
+    monkeypatch.setenv("SERVEMATRIX_CACHE", str(cache))
+    fresh: set = set()
+    monkeypatch.setattr(engine_setup, "_warned_fallbacks", fresh)
+    return fresh
+
+
+def test_fallback_warns_once_per_setup_naming_it(warned, caplog):
+    caplog.set_level(logging.WARNING, logger="servematrix.engine.setup")
+    setup = _setup("A10-24GB")
+    assert setup.step_time_fallback == StepTimeFallback(
+        "aiconfigurator has no system file for A10-24GB"
+    )
+    _setup("A10-24GB")  # the same setup again: no second warning
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    for part in ("Qwen2.5-7B-Instruct (bf16)", "A10-24GB", "TP 1", "bf16", "no system file"):
+        assert part in message, (part, message)
+    assert "falling back to the roofline" in message
+    _setup("A10-24GB", tp=2)  # another setup: its own warning
+    assert [r.getMessage().count("TP 2") for r in caplog.records] == [0, 1]
+
+
+def test_measured_tables_neither_warn_nor_record_a_fallback(warned, caplog):
+    caplog.set_level(logging.WARNING, logger="servematrix.engine.setup")
+    setup = _setup(A100)
+    assert setup.step_time_fallback is None and setup.step_time_fallback_record is None
+    assert setup.step_time_label.startswith("aiconfigurator")
+    assert caplog.records == []
+
+
+def test_an_unshipped_architecture_falls_back_and_says_so(warned, caplog):
+    caplog.set_level(logging.WARNING, logger="servematrix.engine.setup")
+    mine = dataclasses.replace(QWEN_7B, name="my-model", num_layers=7)
+    setup = _setup(A100, architecture=mine)
+    assert setup.step_time_fallback_record == {
+        "reason": "my-model is not a shipped architecture (the tables are built from shipped ones)",
+        "to": "roofline",
+    }
+    assert "my-model is not a shipped architecture" in caplog.records[0].getMessage()
+
+
+def test_the_trace_metadata_records_the_fallback(warned, tmp_path):
+    """Through the real cell runner: the trace's engine parameters carry the field."""
+    on_a10 = _simulator_cell("A10-24GB")
+    run_cell(on_a10, tmp_path / "a10.parquet")
+    engine = trace.read_metadata(tmp_path / "a10.parquet")["deployment"]["engine"]
+    assert engine["step_time_fallback"] == {
+        "to": "roofline",
+        "reason": "aiconfigurator has no system file for A10-24GB",
+    }
+    assert engine["step_time_source"].startswith("roofline (aiconfigurator has no system file")
+    run_cell(_simulator_cell(A100), tmp_path / "a100.parquet")
+    a100 = trace.read_metadata(tmp_path / "a100.parquet")["deployment"]["engine"]
+    assert a100["step_time_fallback"] is None
+
+
+def _simulator_cell(gpu: str) -> Cell:
+    return Cell(
+        backend="simulator",
+        recipe="v1",
+        model=ModelSpec(
+            "Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b", "bf16", 1, ((0,),)
+        ),
+        mode=MODES["single"],
+        workload=Workload(4.0, 256, 4, 5, 0, "random", 1.0, 1),
+        serving=Serving(4096, 0.8),
+        engine={"gpu": gpu, "jitter_cv": 0.0},
+    )

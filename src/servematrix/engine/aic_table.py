@@ -381,18 +381,40 @@ def _roofline(arch: Architecture, gpu: str, tp: int, quantization: str) -> StepT
     return RooflineStepTime(arch, gpu_spec(gpu), tp, quantization)
 
 
+@dataclass(frozen=True)
+class StepTimeFallback:
+    """The roofline model stands in for aiconfigurator's measured tables, and why: recorded in
+    the trace metadata as ``step_time_fallback`` (``{"to": "roofline", "reason": ...}``)."""
+
+    reason: str
+    to: str = "roofline"
+
+
+@dataclass(frozen=True)
+class StepTimeChoice:
+    """A setup's step-time model, its source label, and the fallback (None: measured tables)."""
+
+    model: StepTimeModel
+    label: str
+    fallback: StepTimeFallback | None = None
+
+
+def roofline_fallback(model: StepTimeModel, reason: str) -> StepTimeChoice:
+    return StepTimeChoice(model, f"roofline ({reason})", StepTimeFallback(reason))
+
+
 def select_step_time_model(
     arch_name: str | Architecture,
     gpu: str,
     tp: int,
     quantization: str,
     roofline: Callable[[Architecture, str, int, str], StepTimeModel] = _roofline,
-) -> tuple[StepTimeModel, str]:
-    """aiconfigurator's tables where they cover the setup, else the roofline; with its label.
+) -> StepTimeChoice:
+    """aiconfigurator's tables where they cover the setup, else the roofline, saying why.
     ``arch_name`` may also be an architecture already loaded (a user's ``config.json``)."""
     arch = load_architecture(arch_name) if isinstance(arch_name, str) else arch_name
     try:
         model = AicStepTime(arch, gpu, tp, quantization)
     except AicUnsupportedError as why:
-        return roofline(arch, gpu, tp, quantization), f"roofline ({why})"
-    return model, model.label
+        return roofline_fallback(roofline(arch, gpu, tp, quantization), str(why))
+    return StepTimeChoice(model, model.label)

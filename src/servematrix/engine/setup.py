@@ -3,11 +3,17 @@ and the emulator share, so both run exactly the same engine for the same flags."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import logging
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from servematrix.engine.aic_table import select_step_time_model
+from servematrix.engine.aic_table import (
+    StepTimeChoice,
+    StepTimeFallback,
+    roofline_fallback,
+    select_step_time_model,
+)
 from servematrix.engine.architecture import Architecture, load_architecture, shipped
 from servematrix.engine.hardware import DEFAULT_GPU, gpu_spec
 from servematrix.engine.host import NO_HOST_COST, WithHostCost, host_cost
@@ -27,6 +33,12 @@ DEFAULT_JITTER_CV = 0.03
 DEFAULT_STRAGGLER_PROBABILITY = 0.005
 """Share of steps hit by a host hiccup (see ``Jitter``); approximate, docs/engine-model.md."""
 
+logger = logging.getLogger(__name__)
+
+_warned_fallbacks: set[tuple[str, str, int, str, str]] = set()
+"""Setups whose roofline fallback this process has already logged (a study builds one setup
+per cell; the warning is said once per model, GPU, TP, quantization and reason)."""
+
 
 @dataclass(frozen=True)
 class EngineSetup:
@@ -36,10 +48,17 @@ class EngineSetup:
     gpu: str
     step_time: StepTimeModel
     step_time_label: str
+    step_time_fallback: StepTimeFallback | None
+    """Set when the roofline stands in for aiconfigurator's measured tables (with the reason)."""
     scheduler: SchedulerConfig
     kv: KvMemoryPlan
     jitter_cv: float
     straggler_probability: float
+
+    @property
+    def step_time_fallback_record(self) -> dict[str, str] | None:
+        """``step_time_fallback`` as the trace metadata records it: ``{"to", "reason"}``."""
+        return asdict(self.step_time_fallback) if self.step_time_fallback else None
 
     def instance(self, seed: int, index: int = 0) -> EngineInstance:
         """A fresh instance; its jitter stream is seeded by (seed, instance index)."""
@@ -101,31 +120,65 @@ def build_engine_setup(
         max_num_seqs=sched.max_num_seqs,
     )
     if step_time is not None:
-        model, label = step_time, f"given ({type(step_time).__name__})"
+        choice = StepTimeChoice(step_time, f"given ({type(step_time).__name__})")
     else:
-        model, label = step_time_model(
+        choice = step_time_model(
             arch, spec.name, tensor_parallel, quantization, recipe, enforce_eager
         )
+        if choice.fallback is not None:
+            warn_fallback(
+                model_label or arch.name, spec.name, tensor_parallel, quantization, choice.fallback
+            )
     return EngineSetup(
-        arch, spec.name, model, label, sched, kv, float(jitter_cv), float(straggler_probability)
+        arch,
+        spec.name,
+        choice.model,
+        choice.label,
+        choice.fallback,
+        sched,
+        kv,
+        float(jitter_cv),
+        float(straggler_probability),
+    )
+
+
+def warn_fallback(
+    model: str, gpu: str, tp: int, quantization: str, fallback: StepTimeFallback
+) -> None:
+    """A WARNING, once per setup in this process: the step times are the roofline's estimate,
+    not aiconfigurator's measured tables (the trace metadata and the report say so too)."""
+    key = (model, gpu, tp, quantization, fallback.reason)
+    if key in _warned_fallbacks:
+        return
+    _warned_fallbacks.add(key)
+    logger.warning(
+        "step times of %s on %s, TP %d, %s: aiconfigurator's measured tables do not cover this "
+        "setup (%s); falling back to the %s model, an estimate (docs/engine-model.md)",
+        model,
+        gpu,
+        tp,
+        quantization,
+        fallback.reason,
+        fallback.to,
     )
 
 
 def step_time_model(
     arch: Architecture, gpu: str, tp: int, quantization: str, recipe: str, enforce_eager: bool
-) -> tuple[StepTimeModel, str]:
+) -> StepTimeChoice:
     """The GPU step (below) plus the recipe's host-side cost per step
     (``servematrix.engine.host``)."""
-    model, label = _gpu_step_time_model(arch, gpu, tp, quantization, recipe, enforce_eager)
+    choice = _gpu_step_time_model(arch, gpu, tp, quantization, recipe, enforce_eager)
     cost = host_cost(recipe)
     if cost == NO_HOST_COST:
-        return model, label
-    return WithHostCost(model, cost), f"{label} + {recipe} host {cost.step_ms:g} ms/step"
+        return choice
+    label = f"{choice.label} + {recipe} host {cost.step_ms:g} ms/step"
+    return replace(choice, model=WithHostCost(choice.model, cost), label=label)
 
 
 def _gpu_step_time_model(
     arch: Architecture, gpu: str, tp: int, quantization: str, recipe: str, enforce_eager: bool
-) -> tuple[StepTimeModel, str]:
+) -> StepTimeChoice:
     """aiconfigurator's measured table where it covers the setup, else the roofline; both with
     the serving flags (``--enforce-eager``) and V0's per-step TP broadcast."""
     v0 = recipe == "v0"
@@ -137,17 +190,23 @@ def _gpu_step_time_model(
 
     if not _shipped(arch):
         # aiconfigurator's tables are built from a shipped architecture's config.json.
-        return roofline(arch, gpu, tp, quantization), f"roofline ({arch.name} is not shipped)"
-    model, label = select_step_time_model(arch, gpu, tp, quantization, roofline=roofline)
-    if isinstance(model, RooflineStepTime):
-        return model, label
+        return roofline_fallback(
+            roofline(arch, gpu, tp, quantization),
+            f"{arch.name} is not a shipped architecture (the tables are built from shipped ones)",
+        )
+    choice = select_step_time_model(arch, gpu, tp, quantization, roofline=roofline)
+    if choice.fallback is not None:
+        return choice
     eager = eager_launch_ms(arch, tp) if enforce_eager else 0.0
     any_step = V0_TP_STEP_BROADCAST_MS if v0 and tp > 1 else 0.0
     if eager or any_step:
         extras = ["enforce_eager"] if enforce_eager else []
         extras += ["V0 TP broadcast"] if any_step else []
-        return WithDecodeOverhead(model, eager, any_step), f"{label} + {', '.join(extras)}"
-    return model, label
+        return StepTimeChoice(
+            WithDecodeOverhead(choice.model, eager, any_step),
+            f"{choice.label} + {', '.join(extras)}",
+        )
+    return choice
 
 
 def _shipped(arch: Architecture) -> bool:
