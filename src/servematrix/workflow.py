@@ -56,6 +56,20 @@ def workflow_config(
     return check_config(merged(raw, overrides), schema_path)
 
 
+PREDICTING_BACKEND = "simulator"
+
+
+def predicted_config(cfg: config.Config) -> config.Config | None:
+    """The simulator's twin of a measured run (the same studies and cells, backend simulator),
+    for the report's predicted-vs-measured comparison; None on the simulator itself.
+
+    Raises ConfigError when the engine cannot model the config (a model that does not fit the
+    modelled GPU, which the vllm and external backends never check)."""
+    if cfg.backend == PREDICTING_BACKEND:
+        return None
+    return check_config({**cfg.raw, "backend": PREDICTING_BACKEND})
+
+
 def report_requested(argv: Sequence[str]) -> bool:
     """``snakemake --report FILE`` without a run first (``--report-after-run`` runs first)."""
     report = any(arg == "--report" or arg.startswith("--report=") for arg in argv)
