@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -358,3 +359,249 @@ def test_a_jsonl_workload_replays_its_lengths(tmp_path):
     assert [r.request_input_len for r in measured] == [300, 2000] * 3
     assert [r.completion_tokens for r in measured] == [2, 9] * 3
     assert result.engine_parameters["token_counter"].startswith("approximation")
+
+
+# --- Requests the server does not serve, preemptions, the sonnet prefix -----------------------
+
+
+def client_error(recipe: str, prompt: int, max_tokens: int, limit: int, text: bool) -> str:
+    """What the load generator records when the emulator refuses the request: the emulator's
+    own check, its error body and the client's reading of it (the simulator must agree)."""
+    from servematrix import loadgen
+    from servematrix.emulator import server, wire
+
+    try:
+        if recipe == "v1":
+            server._v1_max_tokens(prompt, max_tokens, limit, text)
+        else:
+            server._v0_max_tokens(prompt, max_tokens, limit)
+    except server.RequestError as error:
+        body = wire.error_body(recipe, error.message, error.kind, error.status, error.param)
+        return str(loadgen._status_message(error.status, body))
+    raise AssertionError("the emulator serves this request")
+
+
+def oversized_jsonl(tmp_path) -> str:
+    """A fitting request, one that fits only with fewer output tokens (9,990 + 20 > 10,000),
+    a token prompt and a text prompt each longer than max_model_len on its own."""
+    path = tmp_path / "oversized.jsonl"
+    rows = [
+        {"input_len": 300, "output_len": 4},
+        {"input_len": 9990, "output_len": 20},
+        {"input_len": 10001, "output_len": 2},
+        {"prompt": "word " * 10001, "output_len": 3},
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize(("mode", "recipe"), [*TOPOLOGIES, ("single", "v1")])
+@pytest.mark.parametrize("cap", [None, 2])
+def test_a_request_beyond_max_model_len_is_a_failed_row_and_the_cell_goes_on(
+    tmp_path, mode, recipe, cap
+):
+    c = with_workload(
+        cell(mode, recipe, n=8),
+        dataset="jsonl",
+        dataset_path=oversized_jsonl(tmp_path),
+        max_concurrency=cap,
+    )
+    records = simulate(c).records
+    measured = [r for r in records if not r.warmup]
+    assert len(records) == 9 and [r.request_input_len for r in measured[:4]] == [
+        300,
+        9990,
+        10001,
+        10001,
+    ]
+    fits, tight, long_ids, long_text = measured[:4]
+    assert fits.success and fits.completion_tokens == 4 and fits.error is None
+    if recipe == "v1":  # 0.33 clamps max_tokens to what the context leaves
+        assert tight.success and tight.completion_tokens == 10 and tight.request_output_len == 20
+    else:
+        assert not tight.success
+        assert tight.error == client_error("v0", 9990, 20, 10_000, False)
+        assert tight.error == (
+            "HTTP 400: This model's maximum context length is 10000 tokens. However, you "
+            "requested 10010 tokens (9990 in the messages, 20 in the completion). Please reduce "
+            "the length of the messages or completion."
+        )
+    assert long_ids.error == client_error(recipe, 10001, 2, 10_000, False)
+    assert long_text.error == client_error(recipe, 10001, 3, 10_000, True)
+    if recipe == "v1":
+        assert "your prompt contains at least 10001 input tokens" in long_text.error
+    for refused in (r for r in records if r.error):
+        assert not refused.success and refused.chunk_s == refused.chunk_tokens == []
+        assert refused.first_token_s is refused.end_s is None
+        assert refused.completion_tokens == 0 and refused.prompt_tokens == refused.request_input_len
+        assert refused.preemptions == 0
+    # The rest of the cell is served: the file's rows repeat, and so do their outcomes.
+    assert [r.error for r in measured[4:]] == [r.error for r in measured[:4]]
+    assert sum(r.success for r in measured) == (2 if recipe == "v0" else 4)
+
+
+def test_a_prompt_no_free_v0_cache_could_hold_is_ignored_without_a_token():
+    from servematrix.engine.kvcache import BlockPool
+    from servematrix.simulate import serve_or_refuse
+    from servematrix.workload import RequestLengths
+
+    pool = BlockPool(200, watermark=0.01)  # 2 watermark blocks: at most 198 * 16 = 3168 tokens
+    lengths = RequestLengths([3168, 3169, 100], [4, 4, 4])
+    served = serve_or_refuse("v0", 10_000, pool, lengths)
+    assert served.errors == {
+        1: "stream ended without a token; the server logged: Input prompt (3169 tokens) is too "
+        "long and exceeds the capacity of block_manager"
+    }
+    assert served.max_tokens == [4, 4, 4]
+    # V1 has no watermark (and refuses at start-up a cache shorter than max_model_len).
+    assert serve_or_refuse("v1", 10_000, BlockPool(200), lengths).errors == {}
+
+
+def test_v1_clamps_a_request_that_fits_only_with_fewer_output_tokens():
+    from servematrix.engine.kvcache import BlockPool
+    from servematrix.simulate import serve_or_refuse
+    from servematrix.workload import RequestLengths
+
+    lengths = RequestLengths([90, 95, 100], [10, 10, 10])
+    v1 = serve_or_refuse("v1", 100, BlockPool(100), lengths)
+    assert v1.max_tokens == [10, 5, 10] and set(v1.errors) == {2}
+    assert (
+        v1.errors[2]
+        == "HTTP 400: max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+    )
+    v0 = serve_or_refuse("v0", 100, BlockPool(100), lengths)
+    assert v0.max_tokens == [10, 10, 10] and set(v0.errors) == {1, 2}
+
+
+def tight_kv_cell(mode="single", recipe="v0") -> Cell:
+    """Everything at once into a KV pool of ~4,300 blocks (~69,000 tokens) where 100 requests
+    grow to 112,400 tokens: the engine must preempt."""
+    return dataclasses.replace(
+        with_workload(cell(mode, recipe, n=100), qps=float("inf"), output_len=100),
+        serving=Serving(10_000, 0.15),
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "recipe"), [("single", "v0"), ("single", "v1"), ("mooncake-rdma", "v0")]
+)
+def test_preemptions_per_request_come_from_the_engine(mode, recipe):
+    records = simulate(tight_kv_cell(mode, recipe)).records
+    counts = [r.preemptions for r in records]
+    assert all(isinstance(n, int) and n >= 0 for n in counts)
+    preempted = [r for r in records if r.preemptions]
+    assert preempted and len(preempted) < len(records)
+    assert all(r.success and r.completion_tokens == 100 for r in records)
+    # A preempted request is prefilled again: it ends later than the median request.
+    end = np.median([r.end_s - r.sent_s for r in records if not r.warmup])
+    assert all(r.end_s - r.sent_s > end for r in preempted)
+    roomy = simulate(with_workload(tight_kv_cell(mode, recipe), num_prompts=10)).records
+    assert [r.preemptions for r in roomy] == [0] * 11
+
+
+def test_recipes_run_without_prefix_caching_as_their_servers_do():
+    from servematrix.deploy.recipes import V1
+    from servematrix.simulate import RECIPE_PREFIX_CACHING, engine_setup
+
+    always = [segment.tokens for segment in V1.args if segment.when is None]
+    assert ("--no-enable-prefix-caching",) in always
+    assert RECIPE_PREFIX_CACHING == {"v0": False, "v1": False}
+    assert not engine_setup(cell("single", "v1")).scheduler.prefix_caching
+
+
+def sonnet_cell(tmp_path, recipe="v1", prefix_len=600) -> Cell:
+    path = tmp_path / "sonnet.txt"
+    lines = [
+        f"Line {k} of the poem, with words that differ: {'abc' * (k % 7)} end.\n" for k in range(80)
+    ]
+    path.write_text("".join(lines))
+    return with_workload(
+        cell("single", recipe, qps=2, n=30),
+        dataset="sonnet",
+        dataset_path=str(path),
+        input_len=1024,
+        prefix_len=prefix_len,
+    )
+
+
+def test_sonnet_requests_share_the_prefix_random_ones_none(tmp_path):
+    from servematrix.workload import (
+        SONNET_BASE_PROMPT,
+        TokenCounter,
+        build_requests,
+        request_lengths,
+    )
+
+    c = sonnet_cell(tmp_path)
+    counter = TokenCounter.approximate()
+    lengths = request_lengths(c.workload, counter)
+    prompts = [r.prompt for r in build_requests(c.workload, 1000, counter)]
+    common = prompts[0]
+    for prompt in prompts[1:]:
+        same = next(
+            (i for i, (a, b) in enumerate(zip(common, prompt, strict=False)) if a != b), len(common)
+        )
+        common = common[:same]
+    assert common.startswith(SONNET_BASE_PROMPT)
+    # The shared tokens are those of the common text up to its last whole prefix line.
+    assert lengths.shared_prefix_tokens == counter.count(common[: common.rindex("\n") + 1])
+    assert 550 <= lengths.shared_prefix_tokens <= 650
+    assert lengths.text_prompt == [True] * 31
+    random = request_lengths(cell().workload)
+    assert random.shared_prefix_tokens == 0 and random.text_prompt == []
+
+
+def test_sonnet_prompts_hit_a_prefix_cache_and_random_prompts_do_not(tmp_path, monkeypatch):
+    """With the engine's prefix caching on (V1's own default), a sonnet cell's requests after
+    the first start past the cached prefix; a random cell's never do; with caching off, as
+    the recipes run vLLM, the sonnet cell computes every prefix again."""
+    from servematrix import simulate as simulate_module
+    from servematrix.workload import TokenCounter, request_lengths
+
+    sonnet = sonnet_cell(tmp_path)
+    lengths = request_lengths(sonnet.workload, TokenCounter.approximate())
+    served = simulate_module.serve_or_refuse(
+        "v1", 10_000, simulate_module.BlockPool(10_000), lengths
+    )
+    requests = simulate_module._Requests(lengths, served)
+    setup = dataclasses.replace(
+        engine_setup_of(sonnet),
+        scheduler=dataclasses.replace(engine_setup_of(sonnet).scheduler, prefix_caching=True),
+    )
+
+    def first_chunks(reqs, count) -> list[int]:
+        instance = setup.instance(0)
+        computed = []
+        for k in range(count):
+            request = reqs.new(k)
+            instance.add_request(request)
+            step = instance.scheduler.schedule()
+            computed.append(step.new_tokens[0])
+            instance.scheduler.complete(step)
+            while instance.has_work():
+                instance.step()
+        return computed
+
+    hit = (lengths.shared_prefix_tokens // 16) * 16
+    computed = first_chunks(requests, 3)
+    assert computed[0] == min(lengths.input_lens[0], 2048)
+    assert computed[1:] == [lengths.input_lens[1] - hit, lengths.input_lens[2] - hit]
+    random_lengths = request_lengths(
+        with_workload(sonnet, dataset="random", dataset_path=None, prefix_len=0).workload
+    )
+    random_served = simulate_module.serve_or_refuse(
+        "v1", 10_000, simulate_module.BlockPool(10_000), random_lengths
+    )
+    assert first_chunks(simulate_module._Requests(random_lengths, random_served), 3) == [1024] * 3
+
+    # End to end: the simulator with caching on answers sonnet prompts sooner.
+    off = ttft_ms(simulate(sonnet))
+    monkeypatch.setitem(simulate_module.RECIPE_PREFIX_CACHING, "v1", True)
+    on = ttft_ms(simulate(sonnet))
+    assert on.mean() < 0.6 * off.mean()
+
+
+def engine_setup_of(c: Cell):
+    from servematrix.simulate import engine_setup
+
+    return engine_setup(c)

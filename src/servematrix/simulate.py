@@ -21,6 +21,15 @@ inf`` (all at t = 0) and ``max_concurrency``: the simulated client holds request
 scheduled and one of the N slots is free, as ``vllm bench serve --max-concurrency`` does with an
 ``asyncio.Semaphore`` acquired in schedule order; a slot frees when a request's last chunk
 reaches the client. Its ``sent_s`` is then later than its ``scheduled_s``.
+
+A request the server would not serve (`servematrix.engine.admission`: beyond ``max_model_len``,
+or, in V0, a prompt no free KV cache could hold) is a failed row with the error the client
+would have recorded; it never reaches an engine, and the cell goes on. ``v1`` clamps a request
+that fits only with fewer output tokens to what the context leaves, as 0.33 does. Each row's
+``preemptions`` counts the engine's recompute preemptions of the request (both instances when
+disaggregated). Sonnet prompts share their first ``RequestLengths.shared_prefix_tokens``
+tokens (one prefix group), which a prefix-caching engine serves from its cache; the recipes run
+vLLM without prefix caching (`RECIPE_PREFIX_CACHING`), so the simulator does too.
 """
 
 from __future__ import annotations
@@ -28,17 +37,25 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from math import inf
 from typing import Any
 
 import numpy as np
 
 from servematrix.config import Cell
+from servematrix.engine.admission import (
+    NO_TOKEN_ERROR,
+    ContextLengthError,
+    granted_max_tokens,
+    http_error,
+    kv_capacity_message,
+)
 from servematrix.engine.instance import DecodeRun, EngineInstance, StepResult
-from servematrix.engine.kvcache import KvMemoryPlan, kv_bytes_per_token_per_gpu
+from servematrix.engine.kvcache import BlockPool, KvMemoryPlan, kv_bytes_per_token_per_gpu
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import (
     DEFAULT_GPU,
@@ -73,6 +90,12 @@ class SimulationResult:
     peak_kv_blocks: list[int]
 
 
+RECIPE_PREFIX_CACHING = {"v0": False, "v1": False}
+"""Whether each recipe's servers cache prefixes: vLLM 0.6 does not by default, and the ``v1``
+recipe passes ``--no-enable-prefix-caching`` (`servematrix.deploy.recipes`, for parity with
+``v0``), although V1's engine would cache by default."""
+
+
 def simulate(cell: Cell, step_time: StepTimeModel | None = None) -> SimulationResult:
     """Simulate one cell in virtual time; deterministic for the cell's seed."""
     with _cyclic_gc_paused():
@@ -104,15 +127,20 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None) -> SimulationResult:
     counter = None if workload.dataset == "random" else TokenCounter.for_model(cell.model.hf_id)
     lengths = request_lengths(workload, counter)
     instances = [setup.instance(workload.seed, index) for index in range(cell.mode.instances)]
+    served = serve_or_refuse(
+        cell.recipe, cell.serving.max_model_len, instances[0].scheduler.pool, lengths
+    )
     if cell.mode.disaggregated:
-        driver = _Disaggregated(cell, setup, instances[0], instances[1], lengths)
+        driver = _Disaggregated(cell, setup, instances[0], instances[1], lengths, served)
     else:
         hop = NO_PROXY if cell.mode.instances == 1 else ProxyHop()
-        driver = _RoundRobin(cell, instances, hop, lengths)
+        driver = _RoundRobin(cell, instances, hop, lengths, served)
     records = driver.run(sends)
     parameters = _parameters(cell, setup, driver)
     if counter is not None:
         parameters["token_counter"] = counter.description
+    if lengths.shared_prefix_tokens:
+        parameters["shared_prefix_tokens"] = lengths.shared_prefix_tokens
     return SimulationResult(
         records=records,
         engine_parameters=parameters,
@@ -125,7 +153,7 @@ def engine_setup(cell: Cell, step_time: StepTimeModel | None = None) -> EngineSe
     """The engine every instance of the cell runs (the emulator builds the same one from the
     vLLM flags the cell's deployment passes it)."""
     serving = cell.serving
-    return build_engine_setup(
+    setup = build_engine_setup(
         cell.model.architecture,
         quantization=cell.model.quantization,
         tensor_parallel=cell.model.tensor_parallel,
@@ -143,6 +171,8 @@ def engine_setup(cell: Cell, step_time: StepTimeModel | None = None) -> EngineSe
         step_time=step_time,
         model_label=f"{cell.model.name} ({cell.model.quantization})",
     )
+    caching = RECIPE_PREFIX_CACHING.get(cell.recipe, setup.scheduler.prefix_caching)
+    return replace(setup, scheduler=replace(setup.scheduler, prefix_caching=caching))
 
 
 def _parameters(
@@ -164,6 +194,82 @@ def _parameters(
     }
 
 
+@dataclass(frozen=True)
+class Served:
+    """What the server makes of each request before an engine sees it, by request id: the
+    ``max_tokens`` it serves (0.33 clamps to what the context leaves) and, for a request it
+    does not serve, the ``error`` its client records."""
+
+    max_tokens: list[int]
+    errors: dict[int, str]
+
+
+def serve_or_refuse(
+    recipe: str, max_model_len: int, pool: BlockPool, lengths: RequestLengths
+) -> Served:
+    """Apply vLLM's refusals (`servematrix.engine.admission`) to every request.
+
+    Only requests beyond the context or, in V0 (a pool with a watermark), with a prompt longer
+    than an empty pool admits are looked at one by one: the rest pass unchanged."""
+    inputs, outputs, text = lengths.input_lens, lengths.output_lens, lengths.text_prompt
+    max_tokens, errors = outputs, {}
+    long = [
+        k for k, total in enumerate(map(operator.add, inputs, outputs)) if total > max_model_len
+    ]
+    if long:
+        max_tokens = list(outputs)
+        for k in long:
+            try:
+                max_tokens[k] = granted_max_tokens(
+                    recipe, inputs[k], outputs[k], max_model_len, bool(text and text[k])
+                )
+            except ContextLengthError as error:
+                errors[k] = http_error(error.status, error.message)
+    # V0's block manager never allocates a prompt needing more blocks than the watermark
+    # leaves of the whole pool: it ignores the request, which then streams no token.
+    never_tokens = (pool.num_blocks - pool.watermark_blocks) * pool.block_size
+    if pool.watermark_blocks and max(inputs) > never_tokens:
+        for k, prompt in enumerate(inputs):
+            if prompt > never_tokens and k not in errors:
+                errors[k] = f"{NO_TOKEN_ERROR}; the server logged: {kv_capacity_message(prompt)}"
+    return Served(max_tokens, errors)
+
+
+class _Requests:
+    """Makes the engine's requests of the cell (with the shared prefix group, if any) and
+    keeps them, to count each request id's preemptions at the end."""
+
+    def __init__(self, lengths: RequestLengths, served: Served):
+        self.input_lens = lengths.input_lens
+        self.max_tokens = served.max_tokens
+        self.refused = served.errors
+        self.prefix_tokens = lengths.shared_prefix_tokens
+        self.group = 0 if self.prefix_tokens else None
+        self.made: list[Request] = []
+
+    def new(self, k: int, max_tokens: int | None = None) -> Request:
+        """Request ``k`` as the client sends it (``max_tokens``: the proxy's own limit)."""
+        request = Request(
+            k,
+            self.input_lens[k],
+            self.max_tokens[k] if max_tokens is None else max_tokens,
+            prefix_group=self.group,
+            prefix_tokens=self.prefix_tokens,
+        )
+        self.made.append(request)
+        return request
+
+    def keep(self, request: Request) -> Request:
+        self.made.append(request)
+        return request
+
+    def preemptions(self, total: int) -> list[int]:
+        counts = [0] * total
+        for request in self.made:
+            counts[request.request_id] += request.num_preemptions
+        return counts
+
+
 def _records(
     workload_warmups: int,
     warmup_sends: list[float],
@@ -171,36 +277,45 @@ def _records(
     sent: list[float] | None,
     chunks: list[list[float]],
     lengths: RequestLengths,
+    requests: _Requests,
 ) -> list[RequestRecord]:
     """Client records: warm-ups first (``warmup=True``), then the measured requests.
 
     ``sends`` are the scheduled times of the measured requests, ``sent`` their actual send
-    times when a concurrency cap delayed some (None: sent as scheduled)."""
+    times when a concurrency cap delayed some (None: sent as scheduled). A refused request
+    has no chunks and its error."""
     scheduled = [*warmup_sends, *sends.tolist()]
     sent_times = scheduled if sent is None else [*warmup_sends, *sent]
+    errors: list[str | None] = [None] * len(scheduled)
+    for k, error in requests.refused.items():
+        errors[k] = error
     return [
         RequestRecord(
             request_id=index,
             warmup=index < workload_warmups,
             scheduled_s=planned,
             sent_s=actual,
-            first_token_s=times[0],
-            end_s=times[-1],
+            first_token_s=times[0] if times else None,
+            end_s=times[-1] if times else None,
             chunk_s=times,
             chunk_tokens=[1] * len(times),
             prompt_tokens=input_len,
             completion_tokens=len(times),
-            success=True,
+            success=error is None,
+            error=error,
             request_input_len=input_len,
             request_output_len=output_len,
+            preemptions=preempted,
         )
-        for index, (planned, actual, times, input_len, output_len) in enumerate(
+        for index, (planned, actual, times, input_len, output_len, error, preempted) in enumerate(
             zip(
                 scheduled,
                 sent_times,
                 chunks,
                 lengths.input_lens,
                 lengths.output_lens,
+                errors,
+                requests.preemptions(len(scheduled)),
                 strict=True,
             )
         )
@@ -227,11 +342,13 @@ class _RoundRobin:
         instances: list[EngineInstance],
         hop: ProxyHop,
         lengths: RequestLengths,
+        served: Served,
     ):
         self.cell = cell
         self.instances = instances
         self.hop = hop
         self.lengths = lengths
+        self.requests = _Requests(lengths, served)
 
     def parameters(self) -> dict[str, Any]:
         return {
@@ -248,33 +365,39 @@ class _RoundRobin:
         hop_out = self.hop.chunk_ms * 1e-3
         # Warm-ups: one at a time, each sent when the previous one has completed.
         targets = round_robin_targets(total, n_inst)
-        input_lens, output_lens = self.lengths.input_lens, self.lengths.output_lens
+        make, refused = self.requests.new, self.requests.refused
         clock = 0.0
         warm_sends = []
         for k in range(w.warmup_requests):
             warm_sends.append(clock)
-            request = Request(k, input_lens[k], output_lens[k])
-            _run_instance(self.instances[targets[k]], [(clock + hop_in, request)], chunks, hop_out)
+            if k in refused:  # the error answer comes straight back
+                clock += hop_in + hop_out
+                continue
+            _run_instance(self.instances[targets[k]], [(clock + hop_in, make(k))], chunks, hop_out)
             clock = chunks[k][-1]
         warm_sends = [t - clock for t in warm_sends]
         for k in range(w.warmup_requests):
             chunks[k] = [t - clock for t in chunks[k]]
         if _capped(w.max_concurrency, w.num_prompts):
             requests = [
-                (targets[k], Request(k, input_lens[k], output_lens[k]))
+                (targets[k], None if k in refused else make(k))
                 for k in range(w.warmup_requests, total)
             ]
             sent = _run_capped(
                 self.instances, requests, sends.tolist(), w.max_concurrency, chunks, hop_in, hop_out
             )
-            return _records(w.warmup_requests, warm_sends, sends, sent, chunks, self.lengths)
+            return _records(
+                w.warmup_requests, warm_sends, sends, sent, chunks, self.lengths, self.requests
+            )
         per_instance: list[list[tuple[float, Request]]] = [[] for _ in range(n_inst)]
         for k, sent_s in enumerate(sends.tolist(), start=w.warmup_requests):
-            request = Request(k, input_lens[k], output_lens[k])
-            per_instance[targets[k]].append((sent_s + hop_in, request))
+            if k not in refused:
+                per_instance[targets[k]].append((sent_s + hop_in, make(k)))
         for instance, arrivals in zip(self.instances, per_instance, strict=True):
             _run_instance(instance, arrivals, chunks, hop_out)
-        return _records(w.warmup_requests, warm_sends, sends, None, chunks, self.lengths)
+        return _records(
+            w.warmup_requests, warm_sends, sends, None, chunks, self.lengths, self.requests
+        )
 
 
 def _run_instance(
@@ -317,7 +440,7 @@ _ARRIVE, _STEP_DONE, _SLOT_FREE = range(3)  # events of `_run_capped`
 
 def _run_capped(
     instances: list[EngineInstance],
-    requests: list[tuple[int, Request]],
+    requests: list[tuple[int, Request | None]],
     scheduled: list[float],
     cap: int,
     chunks: list[list[float]],
@@ -326,7 +449,8 @@ def _run_capped(
 ) -> list[float]:
     """Independent instances behind a client that keeps at most ``cap`` requests in flight.
 
-    ``requests`` are (instance, request) in schedule order. Request k is sent at
+    ``requests`` are (instance, request) in schedule order, request None for one the server
+    refuses (its slot frees when the error answer is back). Request k is sent at
     max(``scheduled[k]``, the moment a slot frees), in order, so it can be queued as soon as
     its slot is known. Returns the send times. Events at one time are all applied before any
     idle instance starts a step, as `_run_instance` adds every arrival up to its clock."""
@@ -368,7 +492,11 @@ def _run_capped(
             _, _, kind, payload = heapq.heappop(events)
             if kind == _ARRIVE:
                 index, request = payload
-                instances[index].add_request(request)
+                if request is None:
+                    heapq.heappush(events, (now + hop_out_s, seq, _SLOT_FREE, None))
+                    seq += 1
+                else:
+                    instances[index].add_request(request)
             elif kind == _SLOT_FREE:
                 free += 1
             else:
@@ -461,9 +589,12 @@ class _Disaggregated:
         prefill: EngineInstance,
         decode: EngineInstance,
         lengths: RequestLengths,
+        served: Served,
     ):
         self.cell = cell
         self.lengths = lengths
+        self.requests = _Requests(lengths, served)
+        self._refused = served.errors
         self.prefill = prefill
         self.decode = decode
         self.hop = ProxyHop()
@@ -497,7 +628,7 @@ class _Disaggregated:
         self._hop_in_s = self.hop.request_ms * 1e-3
         # Per-request sizes and V0 receive times, indexed by request id (computed once per
         # distinct prompt length).
-        self._input_lens, self._output_lens = lengths.input_lens, lengths.output_lens
+        self._input_lens, self._output_lens = lengths.input_lens, served.max_tokens
         per_length = {
             length: self._kv_of(length) for length in {cell.workload.input_len, *self._input_lens}
         }
@@ -576,20 +707,31 @@ class _Disaggregated:
         for k in range(w.warmup_requests):
             warm_sends.append(clock)
             self._run([(clock, k)])
-            clock = self.chunks[k][-1]
+            # A refused request's error answer comes straight back.
+            clock = self.chunks[k][-1] if self.chunks[k] else clock + 2 * self._hop_in_s
         warm_sends = [t - clock for t in warm_sends]
         for k in range(w.warmup_requests):
             self.chunks[k] = [t - clock for t in self.chunks[k]]
         scheduled = sends.tolist()
         if not _capped(w.max_concurrency, w.num_prompts):
             self._run([(sent, w.warmup_requests + i) for i, sent in enumerate(scheduled)])
-            return _records(w.warmup_requests, warm_sends, sends, None, self.chunks, self.lengths)
+            return _records(
+                w.warmup_requests, warm_sends, sends, None, self.chunks, self.lengths, self.requests
+            )
         self._scheduled, self._sent = scheduled, [0.0] * w.num_prompts
         self._free_slots, self._next_send = 0, w.max_concurrency
         self._sent[: w.max_concurrency] = scheduled[: w.max_concurrency]
         first = scheduled[: w.max_concurrency]
         self._run([(sent, w.warmup_requests + i) for i, sent in enumerate(first)])
-        return _records(w.warmup_requests, warm_sends, sends, self._sent, self.chunks, self.lengths)
+        return _records(
+            w.warmup_requests,
+            warm_sends,
+            sends,
+            self._sent,
+            self.chunks,
+            self.lengths,
+            self.requests,
+        )
 
     def _push(self, time: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._events, (time, self._seq, kind, payload))
@@ -736,7 +878,12 @@ class _Disaggregated:
         self._inserting, self._inserted = [], 0
 
     def _on_arrive_prefill(self, now: float, request_id: int) -> None:
-        self.prefill.add_request(Request(request_id, self._input_lens[request_id], 1))
+        if request_id in self._refused:
+            # Refused (the error text says what the client saw): nothing reaches an engine.
+            if self._sent:  # a concurrency cap: the slot frees when the answer is back
+                self._push(now + self._hop_in_s, _SLOT_FREED, None)
+            return
+        self.prefill.add_request(self.requests.new(request_id, 1))
 
     def _on_prefill_done(self, now: float, payload: tuple[float, StepResult]) -> None:
         self._set_prefill_busy(now, False)
@@ -752,11 +899,13 @@ class _Disaggregated:
         """V0: the request reaches the decoder, which receives its KV in its next step."""
         self._awaiting_receive.add(request_id)
         self.decode.add_request(
-            Request(
-                request_id,
-                self._input_lens[request_id],
-                self._output_lens[request_id],
-                receive_ms=self._v0_receive_s[request_id] * 1e3,
+            self.requests.keep(
+                Request(
+                    request_id,
+                    self._input_lens[request_id],
+                    self._output_lens[request_id],
+                    receive_ms=self._v0_receive_s[request_id] * 1e3,
+                )
             )
         )
 
@@ -778,7 +927,11 @@ class _Disaggregated:
             # sample the first output token.
             input_len = input_lens[request_id]
             self.decode.add_request(
-                Request(request_id, input_len, output_lens[request_id], num_computed=input_len - 1)
+                self.requests.keep(
+                    Request(
+                        request_id, input_len, output_lens[request_id], num_computed=input_len - 1
+                    )
+                )
             )
         self._schedule_link()
 

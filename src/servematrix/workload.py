@@ -40,7 +40,7 @@ import os
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,10 +81,16 @@ class RequestSpec:
 
 @dataclass(frozen=True)
 class RequestLengths:
-    """Input and output lengths of every request, indexed by request id (warm-ups first)."""
+    """Input and output lengths of every request, indexed by request id (warm-ups first).
+
+    ``text_prompt`` tells which prompts are text, not token ids (empty: none are);
+    ``shared_prefix_tokens`` is how many tokens every prompt starts with in common (the sonnet
+    dataset's chat-template head, base prompt and prefix lines; 0: none, as random ids)."""
 
     input_lens: list[int]
     output_lens: list[int]
+    text_prompt: list[bool] = field(default_factory=list)
+    shared_prefix_tokens: int = 0
 
 
 class TokenCounter:
@@ -218,8 +224,18 @@ def request_lengths(workload: Workload, tokenizer: TokenCounter | None = None) -
     (what the simulator needs, at a fraction of the cost)."""
     entries = _entries(workload, tokenizer, None)
     ordered = _warmups_first(workload, entries)
+    text = [isinstance(entry.prompt, str) for entry in ordered]
+    shared = 0
+    if workload.dataset == "sonnet":
+        shared = min(
+            _sonnet_shared_tokens(workload, tokenizer or TokenCounter.approximate()),
+            min(entry.input_len for entry in ordered),
+        )
     return RequestLengths(
-        [entry.input_len for entry in ordered], [entry.output_len for entry in ordered]
+        [entry.input_len for entry in ordered],
+        [entry.output_len for entry in ordered],
+        text if any(text) else [],
+        shared,
     )
 
 
@@ -303,7 +319,8 @@ def _read_text(path: Path) -> str:
         raise WorkloadError(f"dataset file {path}: not UTF-8 text ({error})") from error
 
 
-def _sonnet(w: Workload, count: int, counter: TokenCounter) -> list[_Entry]:
+def _sonnet_layout(w: Workload, counter: TokenCounter) -> tuple[list[str], list[str], int]:
+    """The file's lines, the shared prefix lines, and how many lines each prompt draws."""
     path = _dataset_file(w)
     lines = _read_text(path).splitlines(keepends=True)
     if not any(line.strip() for line in lines):
@@ -317,8 +334,24 @@ def _sonnet(w: Workload, count: int, counter: TokenCounter) -> list[_Entry]:
         )
     num_input_lines = round((w.input_len - base) / avg)
     num_prefix_lines = max(round((w.prefix_len - base) / avg), 0)
-    prefix = lines[:num_prefix_lines]
-    extra = max(num_input_lines - num_prefix_lines, 0)
+    return lines, lines[:num_prefix_lines], max(num_input_lines - num_prefix_lines, 0)
+
+
+_PROMPT_END = "\x00"
+"""Marks where the drawn lines start in a formatted sonnet prompt (no prompt contains it)."""
+
+
+def _sonnet_shared_tokens(w: Workload, counter: TokenCounter) -> int:
+    """The tokens every sonnet prompt shares: the chat template's head, the base prompt and the
+    prefix lines, counted as the server counts the prompt (the drawn lines and the template's
+    tail differ from prompt to prompt)."""
+    _, prefix, _ = _sonnet_layout(w, counter)
+    formatted = counter.format(SONNET_BASE_PROMPT + "".join(prefix) + _PROMPT_END)
+    return counter.count(formatted[: formatted.index(_PROMPT_END)])
+
+
+def _sonnet(w: Workload, count: int, counter: TokenCounter) -> list[_Entry]:
+    lines, prefix, extra = _sonnet_layout(w, counter)
     rng = random.Random(w.seed)  # Python's generator, as vLLM's client seeds random.seed(seed)
     entries = []
     for _ in range(count):
