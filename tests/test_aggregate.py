@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -95,7 +96,16 @@ def test_summary_columns_and_types(tmp_path: Path) -> None:
 
     metric_names = [f.name for f in fields(metrics.CellMetrics)]
     workload, memory = list(aggregate.WORKLOAD_COLUMNS), list(aggregate.MEMORY_COLUMNS)
-    assert df.columns == [*trace.IDENTITY_COLUMNS, *metric_names, *workload, *memory, "trace"]
+    preemption = list(aggregate.PREEMPTION_COLUMNS)
+    assert df.columns == [
+        *trace.IDENTITY_COLUMNS,
+        *metric_names,
+        *workload,
+        *memory,
+        *preemption,
+        "trace",
+    ]
+    assert df.schema["preemptions_total"] == pl.Int64
     assert df.schema["qps"] == pl.Float64
     assert df.schema["input_len"] == pl.Int32
     assert df.schema["completed"] == pl.Int64
@@ -114,6 +124,113 @@ def test_summary_reads_the_concurrency_cap_from_the_metadata(tmp_path: Path) -> 
     df = aggregate.summarize([capped, bench, plain])
 
     assert dict(zip(df["qps"], df["max_concurrency"], strict=True)) == {2.0: None, 4.0: 4, 8.0: 2}
+
+
+def preempted_records(counts: list[int | None]) -> list[trace.RequestRecord]:
+    """A warm-up (preempted 5 times: not counted), then one request per count, request k taking
+    (k + 1) * 100 ms end to end; the last one failed."""
+    rows = [
+        trace.RequestRecord(
+            0,
+            True,
+            -9.0,
+            -9.0,
+            -8.0,
+            -8.0,
+            [-8.0],
+            [1],
+            10,
+            1,
+            True,
+            request_input_len=10,
+            request_output_len=1,
+            preemptions=5,
+        )
+    ]
+    for k, count in enumerate(counts, start=1):
+        end = k * 0.1
+        rows.append(
+            trace.RequestRecord(
+                k,
+                False,
+                0.0,
+                0.0,
+                end,
+                end,
+                [end],
+                [1],
+                10,
+                1,
+                True,
+                request_input_len=10,
+                request_output_len=1,
+                preemptions=count,
+            )
+        )
+    rows[-1] = trace.RequestRecord(
+        len(counts),
+        False,
+        0.0,
+        0.0,
+        error="HTTP 500",
+        request_input_len=10,
+        request_output_len=1,
+        preemptions=counts[-1],
+    )
+    return rows
+
+
+def test_summary_totals_preemptions_of_the_measured_requests(tmp_path: Path) -> None:
+    # Requests 1..200 served, request k in k * 100 ms; request 201 failed. Preempted: 10 (once),
+    # 198 (twice), 200 (3 times, the slowest) and the failed 201 (4 times). The slowest 1 % are
+    # ceil(2.0) = 2 requests: 200 (preempted) and 199 (not).
+    counts = [0] * 201
+    counts[9], counts[197], counts[199], counts[200] = 1, 2, 3, 4
+    path = tmp_path / "p.parquet"
+    trace.write(path, identity(), preempted_records(counts), {})
+
+    row = aggregate.summarize([path]).row(0, named=True)
+
+    assert row["preemptions_total"] == 10  # the warm-up's 5 are not counted
+    assert row["preempted_requests"] == 4
+    assert row["slowest_preempted_share"] == pytest.approx(0.5)
+    assert row["preempted_median_e2el_ms"] == pytest.approx(19800.0)  # of 1000, 19800, 20000
+    rest = [100.0 * k for k in range(1, 201) if k not in (10, 198, 200)]
+    assert row["unpreempted_median_e2el_ms"] == pytest.approx(float(np.median(rest)))
+
+
+def test_summary_preemptions_are_null_where_the_backend_cannot_know(tmp_path: Path) -> None:
+    unknown = tmp_path / "unknown.parquet"  # what the load generator writes
+    trace.write(unknown, identity(qps=2.0), records(), {})
+    older = tmp_path / "older.parquet"  # a trace from before the column
+    table = trace.to_table(identity(qps=4.0), records(), {}).drop_columns(["preemptions"])
+    pq.write_table(table, older)
+    none = tmp_path / "none.parquet"  # known, and none preempted
+    trace.write(none, identity(qps=8.0), preempted_records([0, 0, 0]), {})
+
+    df = aggregate.summarize([unknown, older, none])
+
+    columns = list(aggregate.PREEMPTION_COLUMNS)
+    assert df.filter(pl.col("qps") < 8).select(columns).null_count().row(0) == (2,) * 5
+    row = df.filter(pl.col("qps") == 8).row(0, named=True)
+    assert (row["preemptions_total"], row["preempted_requests"]) == (0, 0)
+    assert row["slowest_preempted_share"] == 0.0 and row["preempted_median_e2el_ms"] is None
+    assert row["unpreempted_median_e2el_ms"] == pytest.approx(150.0)
+
+
+def test_summary_takes_the_modelled_memory_split_from_the_metadata(tmp_path: Path) -> None:
+    path = tmp_path / "m.parquet"
+    memory = {
+        "peak_gpu_memory_mib": 65536.0,
+        "peak_kv_cache_usage": 0.25,
+        "weights_mib_per_gpu": 5000.0,
+        "kv_pool_mib_per_gpu": 55000.0,
+    }
+    trace.write(path, identity(), records(), {"memory": memory})
+
+    row = aggregate.summarize([path]).row(0, named=True)
+
+    assert {name: row[name] for name in aggregate.MEMORY_COLUMNS} == memory
 
 
 def test_summary_sorted_by_model_mode_input_len_qps(tmp_path: Path) -> None:

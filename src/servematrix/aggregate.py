@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import html
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 
@@ -40,6 +42,7 @@ HTML_COLUMNS = (
     ("request_throughput", "requests/s"),
     ("output_throughput", "output tokens/s"),
     ("request_goodput", "goodput (requests/s)"),
+    ("preempted_requests", "preempted requests"),
 )
 
 HTML_STYLE = (
@@ -56,9 +59,30 @@ WORKLOAD_COLUMNS = {"max_concurrency": pl.Int64()}
 ``servematrix bench``'s workload); null where a trace has none. ``max_concurrency`` tells the
 findings that a cell's send lag includes waiting for a free slot."""
 
-MEMORY_COLUMNS = {"peak_gpu_memory_mib": pl.Float64(), "peak_kv_cache_usage": pl.Float64()}
-"""From the trace metadata's ``memory`` (servematrix.deploy.memory): measured on vllm,
-modelled on emulator and simulator; null where a trace has none."""
+MEMORY_COLUMNS = {
+    "peak_gpu_memory_mib": pl.Float64(),
+    "peak_kv_cache_usage": pl.Float64(),
+    "weights_mib_per_gpu": pl.Float64(),
+    "kv_pool_mib_per_gpu": pl.Float64(),
+}
+"""From the trace metadata's ``memory`` (servematrix.deploy.memory): peaks measured on vllm,
+modelled on emulator and simulator, which also give the modelled split of a GPU (weights, KV
+pool); null where a trace has none."""
+
+PREEMPTION_COLUMNS = {
+    "preemptions_total": pl.Int64(),
+    "preempted_requests": pl.Int64(),
+    "slowest_preempted_share": pl.Float64(),
+    "preempted_median_e2el_ms": pl.Float64(),
+    "unpreempted_median_e2el_ms": pl.Float64(),
+}
+"""From the trace's ``preemptions`` column, over the measured requests; null where the backend
+cannot know (a real server's client). ``slowest_preempted_share``: of the slowest
+``SLOWEST_FRACTION`` of successful requests by E2E latency (at least one request), the share
+that were preempted at least once; the medians are the E2E latencies of the successful requests
+that were and were not preempted (null when there are none)."""
+
+SLOWEST_FRACTION = 0.01
 
 
 def _summary_schema() -> dict[str, pl.DataType]:
@@ -66,7 +90,14 @@ def _summary_schema() -> dict[str, pl.DataType]:
     identity = pl.DataFrame(pa.schema(trace.IDENTITY_COLUMNS).empty_table()).schema
     numeric = {"int": pl.Int64(), "float": pl.Float64()}
     measured = {f.name: numeric[str(f.type)] for f in fields(metrics.CellMetrics)}
-    return {**identity, **measured, **WORKLOAD_COLUMNS, **MEMORY_COLUMNS, "trace": pl.String()}
+    return {
+        **identity,
+        **measured,
+        **WORKLOAD_COLUMNS,
+        **MEMORY_COLUMNS,
+        **PREEMPTION_COLUMNS,
+        "trace": pl.String(),
+    }
 
 
 SUMMARY_SCHEMA = _summary_schema()
@@ -99,8 +130,36 @@ def summary_row(
         **asdict(cell),
         **{name: workload.get(name) for name in WORKLOAD_COLUMNS},
         **{name: memory_use.get(name) for name in MEMORY_COLUMNS},
+        **preemption_summary(table),
         "trace": os.fspath(path),
     }
+
+
+def preemption_summary(table: pa.Table) -> dict[str, Any]:
+    """The `PREEMPTION_COLUMNS` of one trace (all null when no measured request has a count)."""
+    frame = pl.from_arrow(
+        table.select(["warmup", "success", "sent_s", "end_s", "preemptions"])
+    ).filter(~pl.col("warmup") & pl.col("preemptions").is_not_null())
+    summary: dict[str, Any] = dict.fromkeys(PREEMPTION_COLUMNS)
+    if frame.is_empty():
+        return summary
+    counts = frame["preemptions"]
+    summary["preemptions_total"] = int(counts.sum())
+    summary["preempted_requests"] = int((counts > 0).sum())
+    served = frame.filter(pl.col("success") & pl.col("end_s").is_not_null())
+    if served.is_empty():
+        return summary
+    e2el_ms = ((served["end_s"] - served["sent_s"]) * 1e3).to_numpy()
+    preempted = (served["preemptions"] > 0).to_numpy()
+    slowest = max(1, math.ceil(SLOWEST_FRACTION * len(e2el_ms)))
+    # Stable: among equal latencies the earlier request counts as the slower one.
+    order = np.argsort(-e2el_ms, kind="stable")[:slowest]
+    summary["slowest_preempted_share"] = float(preempted[order].mean())
+    if preempted.any():
+        summary["preempted_median_e2el_ms"] = float(np.median(e2el_ms[preempted]))
+    if not preempted.all():
+        summary["unpreempted_median_e2el_ms"] = float(np.median(e2el_ms[~preempted]))
+    return summary
 
 
 def cell_identity(table: pa.Table, path: str | os.PathLike[str]) -> dict[str, Any]:
