@@ -326,3 +326,135 @@ def test_tied_models_win_no_point() -> None:
     rows = [cell(name, "single", q, 100.0 + q) for name in ("a", "b") for q in (2, 4)]
     sentences = section(findings(rows), "Model comparison")
     assert sentences[0] == "No model has a lower mean TTFT than the others (2 points compared)."
+
+
+# --- Preemption and memory ---------------------------------------------------------------------
+
+
+def preempting(mode: str, xv: float, preempted: int | None, share: float | None = None, **more):
+    """A summary row with the preemption columns (None: the backend cannot count them)."""
+    counts = {
+        "preemptions_total": None if preempted is None else 2 * preempted,
+        "preempted_requests": preempted,
+        "slowest_preempted_share": share,
+        "preempted_median_e2el_ms": more.pop("preempted_ms", None),
+        "unpreempted_median_e2el_ms": more.pop("unpreempted_ms", None),
+    }
+    return cell("m", mode, xv, 100.0, **counts, **more)
+
+
+def test_a_sentence_when_preemption_drives_the_tail() -> None:
+    rows = [
+        preempting("nondisagg", 2, 0, 0.0, unpreempted_ms=900.0),
+        preempting("nondisagg", 8, 37, 1.0, preempted_ms=5200.0, unpreempted_ms=1300.0),
+        preempting("chunked", 2, 0, 0.0, unpreempted_ms=900.0),
+        preempting("chunked", 8, 5, 0.5, preempted_ms=2000.0, unpreempted_ms=1250.5),
+    ]
+    sentences = section(findings(rows), "Preemption")
+    assert sentences == [
+        "nondisagg at QPS 8: 37 of 200 requests were preempted (74 preemptions) and they are "
+        "100% of the slowest 1% by E2E latency; their median E2E latency is 5,200.0 ms against "
+        "1,300.0 ms for the others: preemption drives the tail.",
+        "chunked at QPS 8: 5 of 200 requests were preempted (10 preemptions) and they are 50% "
+        "of the slowest 1% by E2E latency; their median E2E latency is 2,000.0 ms against "
+        "1,250.5 ms for the others: preemption drives the tail.",
+    ]
+
+
+def test_preemptions_that_do_not_drive_the_tail_are_named_apart() -> None:
+    rows = [preempting("nondisagg", 2, 3, 0.0), preempting("nondisagg", 8, 9, 0.49)]
+    assert section(findings(rows), "Preemption") == [
+        "Requests were preempted without driving the tail (under 50% of the slowest 1% by E2E "
+        "latency preempted) in: m at QPS 2 (3 of 200 requests), m at QPS 8 (9 of 200 requests)."
+    ]
+
+
+def test_no_preemption_is_said_and_unknown_preemption_is_not() -> None:
+    none = [preempting("nondisagg", 2, 0, 0.0), preempting("nondisagg", 8, 0, 0.0)]
+    assert section(findings(none), "Preemption") == [
+        "No request was preempted in any of the 2 cells that count them."
+    ]
+    unknown = [preempting("nondisagg", 2, None), preempting("nondisagg", 8, None)]
+    assert "Preemption" not in titles(findings(unknown))
+    assert "Preemption" not in titles(findings(PLAIN_VS_CHUNKED))  # no such columns
+
+
+def model_memory(model: str, xv: float, gpu_mib: float, kv_usage: float, **split: float):
+    return cell(
+        model,
+        "single",
+        xv,
+        100.0,
+        peak_gpu_memory_mib=gpu_mib,
+        peak_kv_cache_usage=kv_usage,
+        **split,
+    )
+
+
+def test_models_compared_on_gpu_memory_and_kv_cache_usage() -> None:
+    rows = [
+        model_memory(
+            "72b", 2, 65536.0, 0.020, weights_mib_per_gpu=34000.0, kv_pool_mib_per_gpu=28000.0
+        ),
+        model_memory(
+            "72b", 8, 65536.0, 0.310, weights_mib_per_gpu=34000.0, kv_pool_mib_per_gpu=28000.0
+        ),
+        model_memory(
+            "72b-awq", 2, 65536.0, 0.010, weights_mib_per_gpu=10000.0, kv_pool_mib_per_gpu=52000.0
+        ),
+        model_memory(
+            "72b-awq", 8, 65536.0, 0.120, weights_mib_per_gpu=10000.0, kv_pool_mib_per_gpu=52000.0
+        ),
+    ]
+    assert section(findings(rows), "Memory") == [
+        "Peak GPU memory (busiest GPU) is the same for every model, 65,536 MiB (vLLM claims its "
+        "share of every GPU at start-up and fills what the weights leave with KV cache; "
+        "modelled per GPU: 72b-awq 10,000 MiB of weights and a 52,000 MiB KV pool, 72b 34,000 "
+        "MiB of weights and a 28,000 MiB KV pool).",
+        "Peak KV-cache usage: 72b 2.0% at QPS 2 → 31.0% at QPS 8, 72b-awq 1.0% at QPS 2 → 12.0% "
+        "at QPS 8; 72b fills its cache most (31.0%).",
+    ]
+
+
+def test_measured_gpu_memory_is_ranked() -> None:
+    rows = [
+        model_memory("a", 2, 70000.0, 0.5),
+        model_memory("a", 4, 71000.0, 0.6),
+        model_memory("b", 2, 41000.0, 0.2),
+        model_memory("b", 4, 40000.0, 0.3),
+    ]
+    gpu, kv = section(findings(rows), "Memory")
+    assert gpu == (
+        "Peak GPU memory (busiest GPU), highest over the QPS values: b 41,000 MiB, a 71,000 MiB; "
+        "b needs the least."
+    )
+    assert kv.endswith("a fills its cache most (60.0%).")
+
+
+def test_no_memory_sentence_without_memory_figures() -> None:
+    rows = [model_memory("a", 2, None, None), model_memory("b", 2, None, None)]
+    assert "Memory" not in titles(findings(rows))
+    assert "Memory" not in titles(findings(PLAIN_VS_CHUNKED))
+
+
+def test_modes_with_one_memory_layout_are_summed_up_once() -> None:
+    rows = [
+        cell(
+            "m",
+            mode,
+            2,
+            100.0,
+            peak_gpu_memory_mib=65536.0,
+            peak_kv_cache_usage=usage,
+            weights_mib_per_gpu=5000.0,
+            kv_pool_mib_per_gpu=55000.0,
+        )
+        for mode, usage in (("nondisagg", 0.1), ("chunked", 0.1))
+    ]
+    assert section(findings(rows), "Memory") == [
+        "Peak GPU memory (busiest GPU) is the same for every mode, 65,536 MiB (vLLM claims its "
+        "share of every GPU at start-up and fills what the weights leave with KV cache; "
+        "modelled per GPU: 5,000 MiB of weights and a 55,000 MiB KV pool for every mode).",
+        "Peak KV-cache usage: nondisagg 10.0% at QPS 2, chunked 10.0% at QPS 2; nondisagg fills "
+        "its cache most (10.0%).",
+    ]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from servematrix.aggregate import check_one_row_per_point
+from servematrix.aggregate import SLOWEST_FRACTION, check_one_row_per_point
 from servematrix.config import MODES
 
 SATURATION_JUMP = 2.0
@@ -30,6 +30,14 @@ SAME_FRACTION = 0.001
 """Two values closer than SAME_MS or than SAME_FRACTION of the larger one are "the same": a
 difference the sentences' precision (0.1 ms, 0.1%) would print as zero is never a win, a loss
 or a gap that grows."""
+
+
+PREEMPTION_DRIVES_TAIL = 0.5
+"""Preemption drives a cell's tail when at least this share of its slowest requests
+(`aggregate.SLOWEST_FRACTION` of the successful ones by E2E latency) were preempted."""
+SAME_MEMORY = 0.005
+"""Memory figures within this fraction of each other are the same (a modelled claim is
+identical across models; measured ones differ by a few MiB of noise)."""
 
 
 def same(a: float, b: float) -> bool:
@@ -67,6 +75,10 @@ P99_TTFT = Metric("p99_ttft_ms", "P99 TTFT")
 MEAN_TPOT = Metric("mean_tpot_ms", "mean TPOT")
 P99_TPOT = Metric("p99_tpot_ms", "P99 TPOT")
 P99_ITL = Metric("p99_itl_ms", "P99 ITL")
+PEAK_GPU_MEMORY = Metric("peak_gpu_memory_mib", "peak GPU memory")
+PEAK_KV_USAGE = Metric("peak_kv_cache_usage", "peak KV-cache usage")
+WEIGHTS_MIB = Metric("weights_mib_per_gpu", "weights per GPU")
+KV_POOL_MIB = Metric("kv_pool_mib_per_gpu", "KV pool per GPU")
 
 Curve = dict[float, float]
 """x value → metric value, only where the value is known."""
@@ -377,6 +389,149 @@ def saturation_section(summary: pl.DataFrame, x: str, series: list[str]) -> Sect
     return Section("Saturation", sentences)
 
 
+def preemption_section(summary: pl.DataFrame, x: str, series: list[str]) -> Section | None:
+    """Where the engine preempted requests, and the cells whose tail it drives; none when no
+    cell's backend counts preemptions (a real server's client cannot)."""
+    if "preemptions_total" not in summary.columns:
+        return None
+    known = summary.filter(pl.col("preemptions_total").is_not_null())
+    if known.is_empty():
+        return None
+    preempting = known.filter(pl.col("preempted_requests") > 0)
+    if preempting.is_empty():
+        return Section(
+            "Preemption",
+            [f"No request was preempted in any of the {known.height} cells that count them."],
+        )
+    sentences, others = [], []
+    tail = f"the slowest {SLOWEST_FRACTION:.0%} by E2E latency"
+    for row in preempting.iter_rows(named=True):
+        where = f"{_label(row, series)} at {fmt_x(x, row[x])}"
+        share = row["slowest_preempted_share"]
+        count = f"{row['preempted_requests']} of {row['num_prompts']} requests"
+        if share is None or share < PREEMPTION_DRIVES_TAIL:
+            others.append(f"{where} ({count})")
+            continue
+        medians = ""
+        if row["preempted_median_e2el_ms"] is not None and row["unpreempted_median_e2el_ms"]:
+            medians = (
+                f"; their median E2E latency is {fmt_ms(row['preempted_median_e2el_ms'])} "
+                f"against {fmt_ms(row['unpreempted_median_e2el_ms'])} for the others"
+            )
+        sentences.append(
+            f"{where}: {count} were preempted ({row['preemptions_total']} preemptions) and they "
+            f"are {share:.0%} of {tail}{medians}: preemption drives the tail."
+        )
+    if others:
+        sentences.append(
+            f"Requests were preempted without driving the tail (under "
+            f"{PREEMPTION_DRIVES_TAIL:.0%} of {tail} preempted) in: {', '.join(others)}."
+        )
+    return Section("Preemption", sentences)
+
+
+def fmt_mib(value: float) -> str:
+    return f"{value:,.0f} MiB"
+
+
+def _peak(group: Group, metric: Metric) -> dict[str, float]:
+    """Each configuration's highest value of ``metric`` over the x values."""
+    if metric.column not in group.rows.columns:
+        return {}
+    curves = {name: group.curve(name, metric) for name in group.names}
+    return {name: max(curve.values()) for name, curve in curves.items() if curve}
+
+
+def _same_memory(values: list[float]) -> bool:
+    return max(values) - min(values) <= SAME_MEMORY * max(values)
+
+
+def gpu_memory_sentence(group: Group) -> str | None:
+    """Peak GPU memory of each configuration (busiest GPU, highest over the x values) and,
+    where the engine is modelled, how the weights split it with the KV pool."""
+    peaks = _peak(group, PEAK_GPU_MEMORY)
+    if len(peaks) < 2:
+        return None
+    if _same_memory(list(peaks.values())):
+        text = (
+            f"Peak GPU memory (busiest GPU){group.scope()} is the same for every {group.series}, "
+            f"{fmt_mib(max(peaks.values()))}"
+        )
+    else:
+        ranked = sorted(peaks.items(), key=lambda item: item[1])
+        text = (
+            f"Peak GPU memory (busiest GPU){group.scope()}, highest over the "
+            f"{'QPS values' if group.x == 'qps' else 'input lengths'}: "
+            + ", ".join(f"{name} {fmt_mib(v)}" for name, v in ranked)
+            + f"; {ranked[0][0]} needs the least"
+        )
+    weights, pools = _peak(group, WEIGHTS_MIB), _peak(group, KV_POOL_MIB)
+    split = [name for name in peaks if name in weights and name in pools]
+    if len(split) >= 2:
+        split.sort(key=lambda name: weights[name])
+        text += (
+            " (vLLM claims its share of every GPU at start-up and fills what the weights leave "
+            "with KV cache; modelled per GPU: "
+        )
+        if _same_memory([weights[n] for n in split]) and _same_memory([pools[n] for n in split]):
+            first = split[0]
+            text += (
+                f"{fmt_mib(weights[first])} of weights and a {fmt_mib(pools[first])} KV pool "
+                f"for every {group.series})"
+            )
+        else:
+            text += (
+                ", ".join(
+                    f"{name} {fmt_mib(weights[name])} of weights and a "
+                    f"{fmt_mib(pools[name])} KV pool"
+                    for name in split
+                )
+                + ")"
+            )
+    return text + "."
+
+
+def kv_usage_sentence(group: Group) -> str | None:
+    """Peak KV-cache usage of each configuration from the lowest to the highest x, and the
+    one that fills its cache most."""
+    if PEAK_KV_USAGE.column not in group.rows.columns:
+        return None
+    curves = {name: group.curve(name, PEAK_KV_USAGE) for name in group.names}
+    curves = {name: curve for name, curve in curves.items() if curve}
+    if len(curves) < 2:
+        return None
+    parts = []
+    for name, curve in curves.items():
+        lo, hi = min(curve), max(curve)
+        if lo == hi:
+            parts.append(f"{name} {curve[hi]:.1%} at {fmt_x(group.x, hi)}")
+        else:
+            parts.append(
+                f"{name} {curve[lo]:.1%} at {fmt_x(group.x, lo)} → {curve[hi]:.1%} at "
+                f"{fmt_x(group.x, hi)}"
+            )
+    fullest = max(curves, key=lambda name: max(curves[name].values()))
+    return (
+        f"Peak KV-cache usage{group.scope()}: {', '.join(parts)}; {fullest} fills its cache "
+        f"most ({max(curves[fullest].values()):.1%})."
+    )
+
+
+def memory_section(gs: list[Group]) -> Section | None:
+    """GPU memory and KV-cache usage compared across the configurations of each group, where
+    the summary has them (issue 9: a model choice is speed *and* memory)."""
+    if "peak_gpu_memory_mib" not in gs[0].rows.columns:
+        return None
+    sentences = [
+        s
+        for g in gs
+        if len(g.names) > 1
+        for s in (gpu_memory_sentence(g), kv_usage_sentence(g))
+        if s
+    ]
+    return Section("Memory", sentences)
+
+
 def qps_sentence(row: dict, where: str) -> str | None:
     """A sentence when the client sent slower or faster than its own schedule asked.
 
@@ -487,7 +642,9 @@ def study_findings(summary: pl.DataFrame, title: str, x: str) -> Findings:
         ),
         disaggregation_section(gs),
         models_section(gs),
+        memory_section(gs),
         saturation_section(summary, x, series),
+        preemption_section(summary, x, series),
         health_section(summary, x, series),
     ]
     return Findings(title, x, [s for s in sections if s and s.sentences])
