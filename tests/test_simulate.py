@@ -449,8 +449,8 @@ def test_a_prompt_no_free_v0_cache_could_hold_is_ignored_without_a_token():
     lengths = RequestLengths([3168, 3169, 100], [4, 4, 4])
     served = serve_or_refuse("v0", 10_000, pool, lengths)
     assert served.errors == {
-        1: "stream ended without a token; the server logged: Input prompt (3169 tokens) is too "
-        "long and exceeds the capacity of block_manager"
+        1: "stream ended without a token; the server logged: Input prompt (3169 tokens) + "
+        "lookahead slots (0) is too long and exceeds the capacity of block_manager"
     }
     assert served.max_tokens == [4, 4, 4]
     # V1 has no watermark (and refuses at start-up a cache shorter than max_model_len).

@@ -9,8 +9,8 @@ Two cases, with vLLM's own words (reference/vllm-openai-server.md §4):
   otherwise clamps ``max_tokens`` to what the context leaves.
 * **KV capacity** (:func:`kv_capacity_message`): V0's block manager gives a prompt that could
   never be allocated, even in an empty cache above the watermark, ``AllocStatus.NEVER``; the
-  scheduler logs "Input prompt (N tokens) is too long and exceeds the capacity of
-  block_manager" and finishes the request as ignored, without a token (V0
+  scheduler logs "Input prompt (N tokens) + lookahead slots (0) is too long and exceeds the
+  capacity of block_manager" and finishes the request as ignored, without a token (V0
   ``Scheduler._schedule_prefills``). The client sees a stream that ends without a token. V1
   cannot meet this case: it refuses at start-up a cache that cannot hold ``max_model_len``
   tokens (so does ``servematrix.engine.kvcache.plan_kv_memory``).
@@ -100,12 +100,13 @@ def _v0_max_tokens(prompt: int, max_tokens: int | None, limit: int) -> int:
     return max_tokens
 
 
-def kv_capacity_message(prompt_tokens: int) -> str:
-    """V0's reason for ignoring a prompt that no free cache could hold (logged by the server;
-    the client only sees a stream without a token)."""
+def kv_capacity_message(prompt_tokens: int, lookahead_slots: int = 0) -> str:
+    """V0's reason for ignoring a prompt that no free cache could hold (a warning in the
+    server's log; the client only sees a stream without a token). Lookahead slots are for
+    speculative decoding: none here."""
     return (
-        f"Input prompt ({prompt_tokens} tokens) is too long and exceeds the capacity of "
-        "block_manager"
+        f"Input prompt ({prompt_tokens} tokens) + lookahead slots ({lookahead_slots}) is too "
+        "long and exceeds the capacity of block_manager"
     )
 
 
