@@ -8,12 +8,19 @@ They live above ``config`` (which sits below the engine and imports none of it) 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from servematrix.config import Config, ConfigError
+from servematrix.config import Cell, Config, ConfigError
+from servematrix.engine.admission import kv_capacity_message
 from servematrix.engine.architecture import ArchitectureError, load_architecture
 from servematrix.engine.hardware import DEFAULT_GPU, gpu_spec
-from servematrix.engine.kvcache import ModelDoesNotFitError, plan_kv_memory
+from servematrix.engine.kvcache import (
+    BLOCK_SIZE_TOKENS,
+    KvMemoryPlan,
+    ModelDoesNotFitError,
+    plan_kv_memory,
+)
 from servematrix.engine.roofline import weight_bytes
 from servematrix.engine.scheduler import scheduler_config
 
@@ -38,44 +45,82 @@ def _check_engine_fits(cfg: Config) -> None:
     """Serving flags vLLM refuses at start-up (a token budget below max_model_len without
     chunked prefill) are refused here; on the backends whose server is the engine model
     (simulator, emulator), so is a model that does not fit (weights or max_model_len beyond the
-    GPU), with vLLM's reason, instead of failing the cell's job."""
-    planned: set[tuple[Any, ...]] = set()
+    GPU), with vLLM's reason, and a workload none of whose requests its KV cache can hold,
+    instead of failing the cell's job."""
+    planned: dict[tuple[Any, ...], tuple[KvMemoryPlan, float] | None] = {}
     for name, study in cfg.studies.items():
         for cell in study.cells:
             m, s = cell.model, cell.serving
             gpu = str(cell.engine.get("gpu", DEFAULT_GPU))
             key = (m, cell.recipe, cell.mode.chunked_prefill, s, gpu, cell.backend)
-            if key in planned:
-                continue
-            planned.add(key)
-            spec = gpu_spec(gpu)
-            try:
-                sched = scheduler_config(
-                    cell.recipe,
-                    cell.mode.chunked_prefill,
-                    s.max_model_len,
-                    spec.name,
-                    s.max_num_batched_tokens,
-                )
-            except ValueError as error:
-                in_study = "max_num_batched_tokens" in cfg.raw["studies"][name].get("workload", {})
-                where = f"studies.{name}.workload" if in_study else "defaults"
-                raise ConfigError(f"{where}.max_num_batched_tokens", str(error)) from None
-            if cell.backend not in ("simulator", "emulator"):
-                continue
-            arch = load_architecture(m.architecture)
-            try:
-                plan_kv_memory(
-                    model_label=f"{m.name} ({m.quantization})",
-                    arch=arch,
-                    weight_bytes=weight_bytes(arch, m.quantization),
-                    gpu=spec,
-                    tp=m.tensor_parallel,
-                    gpu_memory_utilization=s.gpu_memory_utilization,
-                    max_model_len=s.max_model_len,
-                    max_num_batched_tokens=sched.max_num_batched_tokens,
-                    max_num_seqs=sched.max_num_seqs,
-                )
-            except ModelDoesNotFitError as error:
-                index = study.models.index(m.name)
-                raise ConfigError(f"studies.{name}.models[{index}]", str(error)) from None
+            if key not in planned:
+                planned[key] = _plan(cfg, name, study.models.index(m.name), cell, gpu)
+            if planned[key] is not None:
+                _check_one_request_fits(cfg, name, cell, *planned[key])
+
+
+def _plan(
+    cfg: Config, name: str, index: int, cell: Cell, gpu: str
+) -> tuple[KvMemoryPlan, float] | None:
+    """The KV pool and admission watermark of a deployment on the engine model's backends
+    (None on the others), or the ConfigError vLLM's start-up checks would give."""
+    m, s = cell.model, cell.serving
+    spec = gpu_spec(gpu)
+    try:
+        sched = scheduler_config(
+            cell.recipe,
+            cell.mode.chunked_prefill,
+            s.max_model_len,
+            spec.name,
+            s.max_num_batched_tokens,
+        )
+    except ValueError as error:
+        in_study = "max_num_batched_tokens" in cfg.raw["studies"][name].get("workload", {})
+        where = f"studies.{name}.workload" if in_study else "defaults"
+        raise ConfigError(f"{where}.max_num_batched_tokens", str(error)) from None
+    if cell.backend not in ("simulator", "emulator"):
+        return None
+    arch = load_architecture(m.architecture)
+    try:
+        kv = plan_kv_memory(
+            model_label=f"{m.name} ({m.quantization})",
+            arch=arch,
+            weight_bytes=weight_bytes(arch, m.quantization),
+            gpu=spec,
+            tp=m.tensor_parallel,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            max_model_len=s.max_model_len,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
+        )
+    except ModelDoesNotFitError as error:
+        raise ConfigError(f"studies.{name}.models[{index}]", str(error)) from None
+    return kv, sched.watermark
+
+
+def _check_one_request_fits(
+    cfg: Config, study: str, cell: Cell, kv: KvMemoryPlan, watermark: float
+) -> None:
+    """A pool of at least ``max_model_len`` tokens (vLLM's start-up check, above) holds any
+    request that fits the context, except in V0: its block manager admits a prompt only into
+    the blocks above the watermark (1 % of the pool) and ignores, without a token, one that
+    could never fit there. When even the workload's shortest prompt is such a one (known
+    before the job for the random dataset), no request of the cell could be served."""
+    w = cell.workload
+    reserved = int(watermark * kv.num_blocks)
+    if not reserved or w.dataset != "random":
+        return
+    shortest = max(1, math.floor(w.input_len * (1 - w.range_ratio)))
+    admissible = kv.num_blocks - reserved
+    if math.ceil(shortest / BLOCK_SIZE_TOKENS) <= admissible:
+        return
+    in_study = "input_len" in cfg.raw["studies"][study]
+    where = f"studies.{study}.input_len" if in_study else "defaults.input_len"
+    raise ConfigError(
+        where,
+        f"no request of {cell.model.name} at input {w.input_len} can be served: the KV cache "
+        f"holds {kv.num_blocks} blocks of {BLOCK_SIZE_TOKENS} tokens and {cell.recipe} admits "
+        f"a prompt into the {admissible} above its watermark, so vLLM ignores every one "
+        f"({kv_capacity_message(shortest)}); lower input_len or max_model_len, or raise "
+        "gpu_memory_utilization",
+    )
