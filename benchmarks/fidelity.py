@@ -760,7 +760,7 @@ def implied_host_step_ms(run: ValidationRun) -> float:
     elapsed_ms = 0.0
     while instance.has_work():
         elapsed_ms += instance.step().duration_s * 1e3
-    cost = host_cost(run.recipe)
+    cost = host_cost(run.recipe, run.enforce_eager)
     gpu_ms = elapsed_ms - instance.steps * (cost.step_ms + cost.per_seq_ms)
     published_ms = run.output_len / run.published["speed_tokens_per_s"] * 1e3
     return (published_ms - gpu_ms) / instance.steps

@@ -75,3 +75,67 @@ def test_decode_run_with_no_time_before_the_horizon_is_left_to_step():
     inst.step()
     assert inst.decode_run(0.0) is None
     assert len(inst.decode_run(1.0).step_ends_s) > 1
+
+
+def fronted(api_request_ms: float, api_token_ms: float = 0.0) -> EngineInstance:
+    """An instance with an API server in front (LinearStepTime, no jitter)."""
+    config = scheduler_config("v1", True, 10_000, "A100-SXM4-80GB")
+    return EngineInstance(
+        Scheduler(config, BlockPool(1000)),
+        LinearStepTime(),
+        Jitter(0.0, 1),
+        api_request_ms=api_request_ms,
+        api_token_ms=api_token_ms,
+    )
+
+
+def test_a_lone_request_waits_for_the_api_server_before_its_first_step():
+    inst = fronted(4.0)
+    inst.add_request(Request(0, 100, 2))
+    assert inst.has_work() and not inst.scheduler.waiting
+    handover = inst.step()
+    assert handover.duration_s == pytest.approx(0.004) and not handover.emitted
+    assert [r.request_id for r in inst.step().emitted] == [0]
+    assert inst.steps == 1  # the API server's step is not an engine step
+
+
+def test_the_api_server_hands_requests_over_while_the_engine_steps():
+    inst = fronted(4.0)
+    for k in range(6):
+        inst.add_request(Request(k, 100, 3))
+    inst.step()  # hands over request 0
+    prefill = inst.step()  # 110 ms for request 0's prompt: time for the other five
+    assert prefill.duration_s == pytest.approx(0.110)
+    assert len(inst.scheduler.waiting) == 5 and not inst._inbox
+    inst.step()
+    assert len(inst.scheduler.running) == 6
+
+
+def test_streaming_tokens_leaves_the_api_server_less_time_for_new_requests():
+    def handed_over(api_token_ms: float) -> int:
+        inst = fronted(4.0, api_token_ms)
+        for k in range(40):
+            inst.add_request(Request(k, 1, 50))
+        inst.step()
+        inst.step()  # request 0's 1-token prompt, 11 ms: two more get in
+        for _ in range(3):  # short decode steps of the running batch
+            inst.step()
+        return len(inst.scheduler.running) + len(inst.scheduler.waiting)
+
+    assert handed_over(0.0) > handed_over(1.0)
+
+
+def test_no_decode_run_while_requests_wait_in_the_api_server():
+    inst = fronted(4.0)
+    inst.add_request(Request(0, 10, 50))
+    inst.step()
+    inst.step()
+    assert inst.decode_run(float("inf")) is not None
+    inst.add_request(Request(1, 10, 50))
+    assert inst.decode_run(float("inf")) is None
+
+
+def test_the_api_server_refuses_what_the_pool_could_never_hold():
+    inst = fronted(4.0)
+    with pytest.raises(ValueError, match="KV blocks but the pool has 1000"):
+        inst.add_request(Request(0, 16_000, 10))

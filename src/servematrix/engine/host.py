@@ -1,19 +1,25 @@
 """Host-side (CPU) cost of an engine step: what the GPU step tables leave out.
 
-aiconfigurator's tables and the roofline time the forward pass. Around it, vLLM's engine loop
-runs on the CPU, synchronously with the GPU in the V0 engine: schedule the step, build its input
-tensors, wait for the sampled tokens, turn them into Python objects, check stop conditions,
-update the block tables. Its cost has a fixed part per step and a part per request in the batch.
-It dominates small models at batch 1 (a 0.5B model's decode step is ~1 ms of GPU time) and
-grows with the batch under heavy concurrency.
+aiconfigurator's tables and the roofline time the forward pass. Around it, vLLM spends CPU time
+in two places, and they cost a step differently:
+
+* **on the critical path** of the engine loop: schedule the step, build its input tensors,
+  wait for the sampled tokens, update the requests. The GPU idles meanwhile, so this adds to
+  every step: a fixed part (``step_ms``) and a part per request in the batch (``per_seq_ms``);
+* **beside the engine loop**, in another thread or process: turn each request's new token into
+  text and stream it to its client. It overlaps the next GPU step, so it costs nothing while it
+  is shorter than the step; but one process does it for every running stream in turn, so when
+  its work per step (``overlapped_per_seq_ms`` × requests) outlasts the step, it sets the step
+  rate: tokens cannot come out faster than it hands them on, and the engine's next step waits
+  for the outputs of the last one to be taken.
 
 Per recipe (sources and derivation in docs/engine-model.md, "Host-side cost"):
 
-* ``v0`` (vLLM 0.6.x): the API server runs in its own process since 0.6.0 and output
-  processing overlaps the next step (async output processor, PR #7049), but scheduling and
-  input preparation stay on the critical path of every step;
-* ``v1``: the engine core is a separate busy-loop process that overlaps scheduling with the
-  GPU; what remains on the critical path per step is smaller.
+* ``v0`` (vLLM 0.6.x): scheduling and input preparation stay on the critical path (the step
+  cost fitted on the calibration set); output processing (detokenisation, request outputs,
+  stop checks) runs beside the next step (async output processor, PR #7049);
+* ``v1`` (vLLM >= 0.8 default engine): the engine core is a busy loop with a small per-step and
+  per-request cost; detokenisation and streaming moved into the separate API-server process.
 """
 
 from __future__ import annotations
@@ -25,15 +31,45 @@ from servematrix.engine.steptime import StepBatch, StepTimeModel
 
 @dataclass(frozen=True)
 class HostCost:
-    """CPU time on the critical path of one engine step: ``step_ms`` + ``per_seq_ms`` × the
-    number of requests scheduled in it."""
+    """CPU time per engine step: ``step_ms`` + ``per_seq_ms`` × requests on the critical path,
+    and ``overlapped_per_seq_ms`` × requests of work beside it that the step cannot be shorter
+    than."""
 
     step_ms: float
     per_seq_ms: float
+    overlapped_per_seq_ms: float = 0.0
+    request_ms: float = 0.0
+    """The API server's serial work per request before the engine sees it (parse, validate,
+    tokenise, hand over); ``EngineInstance`` queues requests through it."""
+    request_latency_ms: float = 0.0
+    """The rest of the API path's latency per request, not serial work (waits between the
+    server's tasks and processes): the simulator adds it to the request path
+    (``ProxyHop.api_server_ms``); the emulator's real HTTP server pays its own."""
 
     def __post_init__(self) -> None:
-        if self.step_ms < 0 or self.per_seq_ms < 0:
+        values = (
+            self.step_ms,
+            self.per_seq_ms,
+            self.overlapped_per_seq_ms,
+            self.request_ms,
+            self.request_latency_ms,
+        )
+        if min(values) < 0:
             raise ValueError(f"host cost must be >= 0, got {self}")
+
+    @property
+    def label(self) -> str:
+        """How the cost reads in a step-time source label."""
+        parts = [f"{self.step_ms:.3g} ms/step"]
+        if self.per_seq_ms:
+            parts.append(f"{self.per_seq_ms * 1e3:.3g} us/request")
+        if self.overlapped_per_seq_ms:
+            parts.append(f"step >= {self.overlapped_per_seq_ms * 1e3:.3g} us/request beside it")
+        if self.request_ms:
+            parts.append(f"API server {self.request_ms:.3g} ms/request")
+        if self.request_latency_ms:
+            parts.append(f"+ {self.request_latency_ms:.3g} ms latency/request")
+        return ", ".join(parts)
 
 
 NO_HOST_COST = HostCost(0.0, 0.0)
@@ -47,24 +83,68 @@ class WithHostCost:
         self.cost = cost
 
     def step_ms(self, batch: StepBatch) -> float:
+        cost = self.cost
         requests = len(batch.prefill_chunks) + len(batch.decode_contexts)
-        return self.model.step_ms(batch) + self.cost.step_ms + self.cost.per_seq_ms * requests
+        critical_ms = self.model.step_ms(batch) + cost.step_ms + cost.per_seq_ms * requests
+        beside_ms = cost.overlapped_per_seq_ms * requests
+        return critical_ms if critical_ms >= beside_ms else beside_ms
 
 
-V0_HOST_COST = HostCost(step_ms=2.07, per_seq_ms=0.0)
-"""Fitted on the calibration rows of the Qwen2 speed benchmark (vLLM 0.4.2, A100, batch 1,
-bf16, input 1): 1.98 / 2.09 / 2.07 ms for the 0.5B / 1.5B / 7B models, median 2.07
-(``benchmarks/fidelity.py`` prints the fit). The per-request part is not identified by batch-1
-data and is left at 0. vLLM 0.6's asynchronous output processing moved part of this off the
-critical path, so for the ``v0`` recipe (0.6.x) it is an upper bound."""
-V1_HOST_COST = NO_HOST_COST
-"""No calibration source yet for the V1 engine core's remaining per-step cost."""
+V0_OUTPUT_PROCESSING_MS_PER_SEQ = 0.103
+"""V0 ``LLMEngine._process_model_outputs`` (detokenise, build the request outputs, check stop
+conditions): 0.2 ms at batch 1 and 3.4 ms at batch 32, Llama-3-70B FP8 on 4 H100 (vLLM RFC
+#6913, the async output processor's design, July 2024), i.e. (3.4 - 0.2) / 31 ms per sequence.
+vLLM 0.6.0 runs it beside the next step (PR #7049)."""
+
+V0_HOST_COST = HostCost(
+    step_ms=2.07, per_seq_ms=0.0, overlapped_per_seq_ms=V0_OUTPUT_PROCESSING_MS_PER_SEQ
+)
+"""``step_ms`` fitted on the calibration rows of the Qwen2 speed benchmark (vLLM 0.4.2, A100,
+batch 1, bf16, input 1): 1.98 / 2.09 / 2.07 ms for the 0.5B / 1.5B / 7B models, median 2.07
+(``benchmarks/fidelity.py`` prints the fit). The per-request part on the critical path is not
+identified by batch-1 data and is left at 0. vLLM 0.6's asynchronous output processing moved
+part of this off the critical path, so for the ``v0`` recipe (0.6.x) it is an upper bound."""
+
+V0_EAGER_HOST_COST = HostCost(
+    step_ms=V0_HOST_COST.step_ms, per_seq_ms=V0_OUTPUT_PROCESSING_MS_PER_SEQ
+)
+"""``--enforce-eager`` turns V0's async output processor off ("Since, enforce-eager is enabled,
+async output processor cannot be used", ``ModelConfig.verify_async_output_proc``), so output
+processing is back on the critical path of every step."""
+
+V1_API_REQUEST_MS = 4.0
+"""The API server's serial work per request (V1): vLLM PR #17546 (API-server scale-out, May
+2025) served Llama-3.2-1B on 2 A100s (DP 2) with ShareGPT at 120 req/s offered; with the single
+API server of the time the 10,000 requests took 130.74 s, 76.5 req/s, far below what two A100s
+decode for a 1B model: 13.07 ms of API-server time per request. Less its ~198 streamed tokens
+(ShareGPT's mean output in vLLM's benchmark, PR #8335: 197,521 tokens for 1,000 prompts) at
+``alpha2`` 45.9 us: 4.0 ms per request of input work. Derived, not fitted; the split assumes the
+run was bound by the API server, which the PR's point (scale-out fixed it) implies."""
+
+V1_API_LATENCY_MS = 15.56
+"""BLIS's ``alpha0``, the API path's latency per request from arrival to the engine's queue,
+fitted on the same V1 traces (15,561.96 us); its serial part is ``V1_API_REQUEST_MS``."""
+
+V1_HOST_COST = HostCost(
+    step_ms=0.169,
+    per_seq_ms=0.0028,
+    overlapped_per_seq_ms=0.0459,
+    request_ms=V1_API_REQUEST_MS,
+    request_latency_ms=V1_API_LATENCY_MS - V1_API_REQUEST_MS,
+)
+"""From BLIS's vLLM latency model fitted on vLLM V1 (0.8.4 / 0.10.1) H100 serving traces
+(``inference-sim/inference-sim``, ``sim/latency/evolved_model.go``, coefficients in
+``evolved_model_test.go``): per-step overhead beta7 169.4 us and per-request scheduling beta6
+2.8 us (engine core, critical path); output-token processing alpha2 45.9 us per token
+(incremental detokenisation and streaming in the API-server process, beside the engine core).
+The API server's serial input work per request: ``V1_API_REQUEST_MS``; the rest of alpha0
+(``V1_API_LATENCY_MS``) is latency on the request path. Not fitted here."""
 
 
-def host_cost(recipe: str) -> HostCost:
+def host_cost(recipe: str, enforce_eager: bool = False) -> HostCost:
     """The host-side cost of the recipe's engine (``v0`` / ``v1``)."""
-    costs = {"v0": V0_HOST_COST, "v1": V1_HOST_COST}
-    try:
-        return costs[recipe]
-    except KeyError:
-        raise ValueError(f"unknown recipe {recipe!r} (known: v0, v1)") from None
+    if recipe == "v0":
+        return V0_EAGER_HOST_COST if enforce_eager else V0_HOST_COST
+    if recipe == "v1":
+        return V1_HOST_COST
+    raise ValueError(f"unknown recipe {recipe!r} (known: v0, v1)")

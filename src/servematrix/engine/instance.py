@@ -8,6 +8,7 @@ sleeps for it. Both therefore run the very same engine.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,12 +112,33 @@ class DecodeRun:
 
 
 class EngineInstance:
-    """A vLLM instance as a state machine: ``add_request`` any time, ``step`` when idle."""
+    """A vLLM instance as a state machine: ``add_request`` any time, ``step`` when idle.
 
-    def __init__(self, scheduler: Scheduler, step_time: StepTimeModel, jitter: Jitter):
+    With ``api_request_ms`` > 0 the instance has an API server in front of its engine, one
+    process doing each request's input work (parse, validate, tokenise) in arrival order, so a
+    request reaches the scheduler only after its turn. The API server works while the engine
+    steps, in the time the step leaves it after streaming the step's tokens (``api_token_ms``
+    per request in the step, the part of the step-time model's host cost that runs beside the
+    engine): a request it finishes during a step joins the next one. With nothing running, a
+    step of the API server alone admits the next request."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        step_time: StepTimeModel,
+        jitter: Jitter,
+        api_request_ms: float = 0.0,
+        api_token_ms: float = 0.0,
+    ):
+        if api_request_ms < 0 or api_token_ms < 0:
+            raise ValueError("API server costs must be >= 0")
         self.scheduler = scheduler
         self.step_time = step_time
         self.jitter = jitter
+        self.api_request_ms = api_request_ms
+        self.api_token_ms = api_token_ms
+        self._inbox: deque[Request] = deque()  # requests the API server has not handed over
+        self._inbox_done_ms = 0.0  # API work already spent on the inbox's first request
         self._cache: dict[tuple[tuple[tuple[int, int], ...], tuple[int, ...]], float] = {}
         # Pure-decode runs: base step times of the successive steps from a batch of contexts (a
         # fixed-length workload starts its runs from few distinct batches).
@@ -124,18 +146,22 @@ class EngineInstance:
         self.steps = 0
 
     def add_request(self, request: Request) -> None:
-        self.scheduler.add(request)
+        if self.api_request_ms:
+            self.scheduler.check(request)
+            self._inbox.append(request)
+        else:
+            self.scheduler.add(request)
 
     def has_work(self) -> bool:
         scheduler = self.scheduler
-        return bool(scheduler.running or scheduler.waiting)
+        return bool(scheduler.running or scheduler.waiting or self._inbox)
 
     def decode_run(self, horizon_s: float) -> DecodeRun | None:
         """Run consecutive pure-decode steps while each starts before ``horizon_s`` (the time
         to the caller's next event, which could change the batch); None when the next step is
         not a pure decode of every running request. Same result as calling :meth:`step` that
         many times, at a fraction of the cost."""
-        if horizon_s <= 0:  # not even one step starts before the horizon
+        if horizon_s <= 0 or self._inbox:  # not even one step starts before the horizon
             return None
         scheduler = self.scheduler
         max_steps = scheduler.decode_run_length()
@@ -168,7 +194,14 @@ class EngineInstance:
 
     def step(self) -> StepResult:
         """Schedule and run one step; the caller must only call it when :meth:`has_work`."""
-        scheduled = self.scheduler.schedule()
+        scheduler = self.scheduler
+        if self._inbox and not (scheduler.running or scheduler.waiting):
+            # Only the API server has work: the step is its handing over the next request.
+            duration_ms = self.api_request_ms - self._inbox_done_ms
+            self._inbox_done_ms = 0.0
+            scheduler.add(self._inbox.popleft())
+            return StepResult(duration_ms * 1e-3, [], [], 0)
+        scheduled = scheduler.schedule()
         if not scheduled.requests:
             raise RuntimeError(
                 "the scheduler could not schedule any request although some are waiting "
@@ -191,10 +224,24 @@ class EngineInstance:
             else:
                 prefills.append((new, request.num_computed))
         base_ms = self._base_ms(tuple(prefills), tuple(decodes))
-        emitted, finished = self.scheduler.complete(scheduled)
+        emitted, finished = scheduler.complete(scheduled)
         self.steps += 1
-        duration_s = (base_ms * self.jitter.factor() + receive_ms) * 1e-3
-        return StepResult(duration_s, emitted, finished, len(scheduled.preempted), received)
+        duration_ms = base_ms * self.jitter.factor() + receive_ms
+        if self._inbox:
+            self._hand_over(duration_ms - self.api_token_ms * len(scheduled.requests))
+        return StepResult(duration_ms * 1e-3, emitted, finished, len(scheduled.preempted), received)
+
+    def _hand_over(self, spare_ms: float) -> None:
+        """The API server spends ``spare_ms`` on its inbox, first come first served; the
+        requests it finishes wait in the scheduler for the next step."""
+        if spare_ms <= 0:
+            return
+        done_ms = self._inbox_done_ms + spare_ms
+        inbox, cost_ms = self._inbox, self.api_request_ms
+        while inbox and done_ms >= cost_ms:
+            done_ms -= cost_ms
+            self.scheduler.add(inbox.popleft())
+        self._inbox_done_ms = done_ms if inbox else 0.0
 
     def _base_ms(self, prefills: tuple[tuple[int, int], ...], decodes: tuple[int, ...]) -> float:
         """The model's step time for the batch, memoised by its shape (a plain tuple key: the

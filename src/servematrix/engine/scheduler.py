@@ -169,14 +169,18 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
+        self.check(request)
+        self.waiting.append(request)
+
+    def check(self, request: Request) -> None:
+        """Refuse a request that needs more KV blocks than the whole pool has."""
         pool = self.pool
         tokens = request.prompt_tokens + request.max_tokens
-        if tokens > pool.num_blocks * pool.block_size:  # needs more blocks than the pool has
+        if tokens > pool.num_blocks * pool.block_size:
             raise ValueError(
                 f"request {request.request_id} needs {pool.blocks_for(tokens)} KV blocks but "
                 f"the pool has {pool.num_blocks}"
             )
-        self.waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self.running) or bool(self.waiting)

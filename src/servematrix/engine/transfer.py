@@ -223,6 +223,9 @@ class ProxyHop:
 
     request_ms: float = 1.5
     chunk_ms: float = 0.2
+    api_server_ms: float = 0.0
+    """Latency of each vLLM API server a request passes on its way to an engine (the part of
+    the API path that is not serial work, ``HostCost.request_latency_ms``)."""
 
 
 NO_PROXY = ProxyHop(0.0, 0.0)
