@@ -16,7 +16,7 @@ from servematrix.engine.aic_table import (
 )
 from servematrix.engine.architecture import Architecture, load_architecture, shipped
 from servematrix.engine.hardware import DEFAULT_GPU, gpu_spec
-from servematrix.engine.host import NO_HOST_COST, WithHostCost, host_cost
+from servematrix.engine.host import NO_HOST_COST, HostCost, WithHostCost, host_cost
 from servematrix.engine.instance import EngineInstance, Jitter
 from servematrix.engine.kvcache import BlockPool, KvMemoryPlan, plan_kv_memory
 from servematrix.engine.roofline import (
@@ -60,8 +60,15 @@ class EngineSetup:
         """``step_time_fallback`` as the trace metadata records it: ``{"to", "reason"}``."""
         return asdict(self.step_time_fallback) if self.step_time_fallback else None
 
+    @property
+    def host(self) -> HostCost:
+        """The host-side cost the step-time model includes (none for a given model)."""
+        return self.step_time.cost if isinstance(self.step_time, WithHostCost) else NO_HOST_COST
+
     def instance(self, seed: int, index: int = 0) -> EngineInstance:
-        """A fresh instance; its jitter stream is seeded by (seed, instance index)."""
+        """A fresh instance; its jitter stream is seeded by (seed, instance index). With the
+        recipe's host cost it has the API server in front (``servematrix.engine.host``)."""
+        host = self.host
         return EngineInstance(
             Scheduler(
                 self.scheduler, BlockPool(self.kv.num_blocks, watermark=self.scheduler.watermark)
@@ -72,6 +79,8 @@ class EngineSetup:
                 np.random.SeedSequence([seed, index]),
                 self.straggler_probability,
             ),
+            api_request_ms=host.request_ms,
+            api_token_ms=host.overlapped_per_seq_ms,
         )
 
 
@@ -169,10 +178,10 @@ def step_time_model(
     """The GPU step (below) plus the recipe's host-side cost per step
     (``servematrix.engine.host``)."""
     choice = _gpu_step_time_model(arch, gpu, tp, quantization, recipe, enforce_eager)
-    cost = host_cost(recipe)
+    cost = host_cost(recipe, enforce_eager)
     if cost == NO_HOST_COST:
         return choice
-    label = f"{choice.label} + {recipe} host {cost.step_ms:g} ms/step"
+    label = f"{choice.label} + {recipe} host ({cost.label})"
     return replace(choice, model=WithHostCost(choice.model, cost), label=label)
 
 
