@@ -133,7 +133,10 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None) -> SimulationResult:
     if cell.mode.disaggregated:
         driver = _Disaggregated(cell, setup, instances[0], instances[1], lengths, served)
     else:
-        hop = NO_PROXY if cell.mode.instances == 1 else ProxyHop()
+        hop = replace(
+            NO_PROXY if cell.mode.instances == 1 else ProxyHop(),
+            api_server_ms=setup.host.request_latency_ms,
+        )
         driver = _RoundRobin(cell, instances, hop, lengths, served)
     records = driver.run(sends)
     parameters = _parameters(cell, setup, driver)
@@ -361,7 +364,7 @@ class _RoundRobin:
         n_inst = len(self.instances)
         total = w.warmup_requests + w.num_prompts
         chunks: list[list[float]] = [[] for _ in range(total)]
-        hop_in = self.hop.request_ms * 1e-3
+        hop_in = (self.hop.request_ms + self.hop.api_server_ms) * 1e-3
         hop_out = self.hop.chunk_ms * 1e-3
         # Warm-ups: one at a time, each sent when the previous one has completed.
         targets = round_robin_targets(total, n_inst)
@@ -597,7 +600,7 @@ class _Disaggregated:
         self._refused = served.errors
         self.prefill = prefill
         self.decode = decode
-        self.hop = ProxyHop()
+        self.hop = ProxyHop(api_server_ms=setup.host.request_latency_ms)
         self.generation = cell.recipe
         tp = cell.model.tensor_parallel
         self.link_config = kv_link(
@@ -623,9 +626,10 @@ class _Disaggregated:
         self._prefill_busy = False
         self._decode_busy = False
         self._link_event_at = inf
-        self._decode_hop_s = 2 * self.hop.request_ms * 1e-3  # 1-token response + new request
+        # 1-token response + new request through the decode instance's API server
+        self._decode_hop_s = (2 * self.hop.request_ms + self.hop.api_server_ms) * 1e-3
         self._chunk_hop_s = self.hop.chunk_ms * 1e-3
-        self._hop_in_s = self.hop.request_ms * 1e-3
+        self._hop_in_s = (self.hop.request_ms + self.hop.api_server_ms) * 1e-3
         # Per-request sizes and V0 receive times, indexed by request id (computed once per
         # distinct prompt length).
         self._input_lens, self._output_lens = lengths.input_lens, served.max_tokens
