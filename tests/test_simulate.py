@@ -574,7 +574,7 @@ def test_sonnet_prompts_hit_a_prefix_cache_and_random_prompts_do_not(tmp_path, m
         computed = []
         for k in range(count):
             request = reqs.new(k)
-            instance.add_request(request)
+            instance.scheduler.add(request)  # straight to the engine, past the API server
             step = instance.scheduler.schedule()
             computed.append(step.new_tokens[0])
             instance.scheduler.complete(step)
