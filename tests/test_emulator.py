@@ -17,7 +17,7 @@ from servematrix.emulator.cli import (
 )
 from servematrix.emulator.models import ModelError, resolve_model
 from servematrix.emulator.pacing import WallClockEngine
-from servematrix.emulator.server import RequestError, _v0_max_tokens, _v1_max_tokens
+from servematrix.engine.admission import ContextLengthError, granted_max_tokens
 from servematrix.engine.architecture import ARCHITECTURES_DIR
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import build_engine_setup
@@ -122,10 +122,18 @@ def test_unshipped_architecture_gets_the_roofline(tmp_path):
     assert setup.step_time_label.startswith("roofline")
 
 
+def _v1_max_tokens(prompt: int, max_tokens: int | None, limit: int, text: bool) -> int:
+    return granted_max_tokens("v1", prompt, max_tokens, limit, text)
+
+
+def _v0_max_tokens(prompt: int, max_tokens: int | None, limit: int) -> int:
+    return granted_max_tokens("v0", prompt, max_tokens, limit, False)
+
+
 def test_v1_context_rules_clamp_or_reject_with_vllm_texts():
     assert _v1_max_tokens(60, 10, 64, False) == 4  # clamped to L - P
     assert _v1_max_tokens(3, None, 64, False) == 16
-    with pytest.raises(RequestError) as error:
+    with pytest.raises(ContextLengthError) as error:
         _v1_max_tokens(69, 5, 64, False)
     assert error.value.message == (
         "This model's maximum context length is 64 tokens. However, your prompt contains 69 "
@@ -133,18 +141,20 @@ def test_v1_context_rules_clamp_or_reject_with_vllm_texts():
         "the length of the input prompt. (parameter=input_tokens, value=69)"
     )
     assert error.value.param == "input_tokens"
-    with pytest.raises(RequestError, match="contains at least 65 input tokens"):
+    with pytest.raises(ContextLengthError, match="contains at least 65 input tokens"):
         _v1_max_tokens(70, 5, 64, True)
-    with pytest.raises(RequestError, match=r"^max_tokens=65 cannot be greater than max_model_len"):
+    with pytest.raises(
+        ContextLengthError, match=r"^max_tokens=65 cannot be greater than max_model_len"
+    ):
         _v1_max_tokens(3, 65, 64, False)
-    with pytest.raises(RequestError, match=r"max_tokens must be at least 1, got 0\. \(param"):
+    with pytest.raises(ContextLengthError, match=r"max_tokens must be at least 1, got 0\. \(param"):
         _v1_max_tokens(64, 5, 64, False)
 
 
 def test_v0_context_rule_rejects_any_overflow():
     assert _v0_max_tokens(60, 4, 64) == 4
     assert _v0_max_tokens(60, None, 64) == 4
-    with pytest.raises(RequestError) as error:
+    with pytest.raises(ContextLengthError) as error:
         _v0_max_tokens(60, 10, 64)
     assert error.value.message == (
         "This model's maximum context length is 64 tokens. However, you requested 70 tokens "

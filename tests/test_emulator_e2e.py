@@ -282,7 +282,8 @@ def test_die_after_requests_exits_the_process():
 
 
 def engine_steps(input_len: int, output_len: int) -> list[float]:
-    """The engine's own step ends for one request alone (no jitter), from its arrival."""
+    """The engine's own ends of the steps that give one request alone (no jitter) its tokens,
+    from its arrival (the first step may be the API server's handing it over, without one)."""
     setup = build_engine_setup(
         "qwen2.5-7b",
         quantization="gptq-int4",
@@ -297,8 +298,10 @@ def engine_steps(input_len: int, output_len: int) -> list[float]:
     instance.add_request(Request(0, input_len, output_len))
     clock, ends = 0.0, []
     while instance.has_work():
-        clock += instance.step().duration_s
-        ends.append(clock)
+        step = instance.step()
+        clock += step.duration_s
+        if step.emitted:
+            ends.append(clock)
     return ends
 
 
@@ -431,3 +434,88 @@ def test_sigterm_with_a_stream_in_flight_exits_promptly():
         received, exit_s = asyncio.run(run())
         assert process.poll() == 0
     assert exit_s < 10 and b"[DONE]" not in received and received.startswith(b"data: ")
+
+
+SMALL_POOL = ("--gpu-memory-utilization", "0.15", "--max-num-batched-tokens", "32768")
+"""An A100 at 15 % with a 32768-token budget leaves this model 814 KV blocks (13024 tokens)."""
+SMALL_POOL_BLOCKS = 814
+
+
+def post_json(url: str) -> dict:
+    async def go():
+        async with aiohttp.ClientSession() as session, session.post(url) as response:
+            assert response.status == 200
+            return await response.json()
+
+    return asyncio.run(go())
+
+
+def test_kv_cache_peak_is_exact_and_restarts_on_reset():
+    """``/servematrix/kv_cache`` reports the most blocks ever in use, which a request shorter
+    than the sampling interval hides from ``/metrics``; a reset starts a new peak."""
+    with emulator("--jitter-cv", "0") as (url, _):
+        pool = json.loads(get(f"{url}/servematrix/kv_cache")[1])
+        assert pool["used_blocks"] == pool["peak_used_blocks"] == 0
+        assert pool["block_size_tokens"] == 16 and pool["num_blocks"] > 1000
+        # 100 prompt tokens + 19 computed output tokens (the last sampled one has no KV).
+        post(url, stream_body(list(range(100)), 20), "one")
+        assert json.loads(get(f"{url}/servematrix/kv_cache")[1])["peak_used_blocks"] == 8
+        metrics = parse_metrics(get(f"{url}/metrics")[1].decode())
+        assert metrics[f'vllm:kv_cache_usage_perc{{model_name="{MODEL}",engine="0"}}'] == 0
+        # Two at once: they hold their blocks together.
+        asyncio.run(_many(url, [stream_body(list(range(100)), 20)] * 2, "two"))
+        assert json.loads(get(f"{url}/servematrix/kv_cache")[1])["peak_used_blocks"] == 16
+        reset = post_json(f"{url}/servematrix/kv_cache/reset_peak")
+        assert reset["peak_used_blocks"] == reset["used_blocks"] == 0
+        post(url, stream_body(list(range(40)), 2), "small")
+        assert json.loads(get(f"{url}/servematrix/kv_cache")[1])["peak_used_blocks"] == 3
+
+
+def test_per_request_preemptions_add_up_to_the_engine_counter():
+    """Twelve long requests in a pool that holds about eight: the engine preempts some; each
+    request's log counts its own, and together they are ``vllm:num_preemptions_total``."""
+    with emulator("--jitter-cv", "0", "--max-model-len", "4096", *SMALL_POOL) as (url, _):
+        post(url, stream_body([7] * 10, 2), "other")
+        bodies = [stream_body(list(range(1500)), 200) for _ in range(12)]
+        results = asyncio.run(_many(url, bodies, "pre"))
+        assert all(status == 200 for status, _ in results)
+        log = json.loads(get(f"{url}/servematrix/requests?prefix=pre-")[1])
+        metrics = parse_metrics(get(f"{url}/metrics")[1].decode())
+    assert sorted(log) == sorted(f"pre-{k}" for k in range(12))  # "other" filtered out
+    counts = [entry["preemptions"] for entry in log.values()]
+    total = metrics[f'vllm:num_preemptions_total{{model_name="{MODEL}",engine="0"}}']
+    assert sum(counts) == total > 0
+    assert 0 in counts  # the oldest requests run through
+
+
+def test_v0_ignores_a_prompt_its_pool_can_never_admit():
+    """vLLM 0.6 keeps 1 % of the blocks free when admitting: a prompt needing more than the
+    rest is ignored (a warning, a 200 without a token), and the server serves on; one block
+    less is served. Before, such a prompt stalled the queue and then crashed the engine."""
+    watermark = SMALL_POOL_BLOCKS // 100
+    admissible = (SMALL_POOL_BLOCKS - watermark) * 16
+    flags = ("--recipe", "v0", "--max-model-len", str(SMALL_POOL_BLOCKS * 16), *SMALL_POOL)
+    with emulator(*flags) as (url, process):
+        too_long = stream_body(list(range(admissible + 1)), 1, stream_options={})
+        status, raw = post(url, too_long, "ignored")
+        assert status == 200
+        payloads = events(raw)
+        assert payloads[-1] == "[DONE]"
+        (usage,) = [json.loads(p) for p in payloads[:-1]]  # no token chunk, only the usage
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 0
+        plain = {"model": MODEL, "prompt": too_long["prompt"], "max_tokens": 1}
+        status, raw = post(url, plain, "ignored-plain")
+        choice = json.loads(raw)["choices"][0]
+        assert status == 200 and (choice["text"], choice["finish_reason"]) == ("", "length")
+        status, raw = post(url, stream_body(list(range(admissible)), 2), "fits")
+        assert status == 200 and len(events(raw)) == 3  # two tokens, then [DONE]
+        log = json.loads(get(f"{url}/servematrix/requests")[1])
+        process.terminate()
+        out = process.communicate(timeout=30)[0]
+    message = (
+        f"Input prompt ({admissible + 1} tokens) + lookahead slots (0) is too long and exceeds "
+        "the capacity of block_manager"
+    )
+    assert out.count(message) == 2
+    assert log["ignored"]["outcome"] == f"ignored: {message}"
+    assert log["fits"]["outcome"] == "ok"

@@ -88,6 +88,38 @@ class WallClockEngine:
         pool = self.instance.scheduler.pool
         return pool.used_blocks / pool.num_blocks
 
+    def kv_cache(self) -> dict[str, int]:
+        """The KV pool now and at its peak since start or :meth:`reset_kv_peak` (blocks): the
+        exact peak a sampler of ``/metrics`` can miss between two samples."""
+        pool = self.instance.scheduler.pool
+        return {
+            "num_blocks": pool.num_blocks,
+            "block_size_tokens": pool.block_size,
+            "used_blocks": pool.used_blocks,
+            "peak_used_blocks": pool.peak_used_blocks,
+        }
+
+    def reset_kv_peak(self) -> None:
+        """Start a new peak from the blocks in use now (a cell on a warm deployment measures
+        its own). The pool keeps its fewest free blocks; the peak is counted from them."""
+        pool = self.instance.scheduler.pool
+        pool.min_free_blocks = pool.free_blocks
+
+    def can_ever_admit(self, prompt_tokens: int) -> bool:
+        """Whether the prompt's blocks fit in the pool above its admission watermark at all.
+
+        vLLM 0.6's block manager answers ``AllocStatus.NEVER`` to a prompt needing more blocks
+        than ``num_gpu_blocks - watermark_blocks``, and its scheduler then drops the request
+        (``FINISHED_IGNORED``: a warning, no token). Start-up ensures ``max_model_len`` fits
+        the whole pool, so only V0's 1 % watermark leaves such prompts; V1 has none."""
+        pool = self.instance.scheduler.pool
+        return pool.blocks_for(prompt_tokens) <= pool.num_blocks - pool.watermark_blocks
+
+    def ignored(self, prompt_tokens: int, max_tokens: int) -> TokenStream:
+        """The stream of a request the engine will never run: finished, without a token."""
+        request = Request(next(self._ids), prompt_tokens, max_tokens)
+        return TokenStream(request, time.monotonic(), finished=True)
+
     def submit(
         self,
         prompt_tokens: int,

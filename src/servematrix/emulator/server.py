@@ -2,9 +2,16 @@
 
 Generated text is one token per step, `` t0``, `` t1``, ...; when the handler falls behind the
 engine, the tokens released meanwhile go out in one chunk (as vLLM merges queued deltas), with
-exact continuous usage. Per ``X-Request-Id`` the server keeps its own ``time.monotonic()``
-timestamps, served at ``GET /servematrix/requests``: arrival, the engine's due time of every
-token (its step's end), when each chunk was written, and the end.
+exact continuous usage. Emulator-only routes, under ``/servematrix/`` (no vLLM has them):
+
+* ``GET /servematrix/requests`` (``?prefix=P``: only the ids starting with P): per
+  ``X-Request-Id`` the server's own ``time.monotonic()`` timestamps (arrival, the engine's due
+  time of every token, its step's end, when each chunk was written, the end) and the request's
+  ``preemptions`` (how often the engine preempted it; final once the request has ended);
+  ``DELETE`` clears the log.
+* ``GET /servematrix/kv_cache``: the KV pool in blocks, in use now and at its exact peak;
+  ``POST /servematrix/kv_cache/reset_peak`` starts a new peak (a cell on a warm deployment).
+  ``/metrics`` has vLLM's usage gauge too, but a sampler misses a peak between two samples.
 """
 
 from __future__ import annotations
@@ -22,9 +29,12 @@ from aiohttp import web
 from servematrix.emulator import wire
 from servematrix.emulator.disagg import KvConnector, KvTransferError
 from servematrix.emulator.pacing import TokenStream, WallClockEngine
+from servematrix.engine.admission import (
+    ContextLengthError,
+    granted_max_tokens,
+    kv_capacity_message,
+)
 from servematrix.workload import TokenCounter
-
-DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass
@@ -68,6 +78,7 @@ class RequestLog:
     status: int = 200
     outcome: str = "running"
     kv_transfer_params: Any = None
+    preemptions: int = 0
 
 
 class RequestError(Exception):
@@ -95,6 +106,8 @@ class Emulator:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/servematrix/requests", self.request_log)
         app.router.add_delete("/servematrix/requests", self.clear_request_log)
+        app.router.add_get("/servematrix/kv_cache", self.kv_cache)
+        app.router.add_post("/servematrix/kv_cache/reset_peak", self.reset_kv_peak)
         if self.settings.recipe == "v1" and os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
             app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         return app
@@ -128,7 +141,16 @@ class Emulator:
         return _json(wire.dumps({"success": True}))
 
     async def request_log(self, request: web.Request) -> web.Response:
-        return _json(json.dumps({key: vars(log) for key, log in self.requests.items()}))
+        prefix = request.query.get("prefix", "")
+        logs = {key: vars(log) for key, log in self.requests.items() if key.startswith(prefix)}
+        return _json(json.dumps(logs))
+
+    async def kv_cache(self, request: web.Request) -> web.Response:
+        return _json(json.dumps(self.engine.kv_cache()))
+
+    async def reset_kv_peak(self, request: web.Request) -> web.Response:
+        self.engine.reset_kv_peak()
+        return _json(json.dumps(self.engine.kv_cache()))
 
     async def clear_request_log(self, request: web.Request) -> web.Response:
         self.requests.clear()
@@ -167,18 +189,22 @@ class Emulator:
             return self._error(error)
         log.prompt_tokens, log.max_tokens = prompt_tokens, max_tokens
         log.kv_transfer_params = body.get("kv_transfer_params")
-        covered: dict[str, Any] = {}  # how a KV consumer's prompt is covered
-        if self.kv is not None:
-            try:
-                arrival_s, covered = await self.kv.before_submit(body, prompt_tokens, arrival_s)
-            except KvTransferError as error:
-                log.status, log.outcome, log.end_s = 500, str(error), time.monotonic()
-                return self._error(RequestError(500, str(error), "InternalServerError"))
-        # The request counts as arrived when its headers were read: the simulator, the ground
-        # truth, has no network either, and parsing a long prompt's body takes milliseconds.
-        stream = self.engine.submit(prompt_tokens, max_tokens, arrival_s, **covered)
-        if self.kv is not None:
-            self.kv.submitted(body, stream)
+        if self.engine.can_ever_admit(prompt_tokens):
+            covered: dict[str, Any] = {}  # how a KV consumer's prompt is covered
+            if self.kv is not None:
+                try:
+                    arrival_s, covered = await self.kv.before_submit(body, prompt_tokens, arrival_s)
+                except KvTransferError as error:
+                    log.status, log.outcome, log.end_s = 500, str(error), time.monotonic()
+                    return self._error(RequestError(500, str(error), "InternalServerError"))
+            # The request counts as arrived when its headers were read: the simulator, the
+            # ground truth, has no network either, and parsing a long prompt's body takes
+            # milliseconds.
+            stream = self.engine.submit(prompt_tokens, max_tokens, arrival_s, **covered)
+            if self.kv is not None:
+                self.kv.submitted(body, stream)
+        else:
+            stream = self._ignore(body, log)
         head = {
             "id": rid,
             "object": "text_completion",
@@ -193,9 +219,21 @@ class Emulator:
             return web.Response(status=499)
         finally:
             self.engine.abort(stream)  # no-op when it finished
+            log.preemptions = stream.request.num_preemptions
             if log.end_s is None:
                 log.end_s = time.monotonic()
                 log.outcome = "aborted" if log.outcome == "running" else log.outcome
+
+    def _ignore(self, body: dict[str, Any], log: RequestLog) -> TokenStream:
+        """A prompt the KV pool can never admit (:meth:`WallClockEngine.can_ever_admit`): as
+        vLLM 0.6.6, a warning in the log and a 200 answer without a token (the empty output is
+        not streamed; the usage chunk, if asked for, counts 0 completion tokens)."""
+        message = kv_capacity_message(log.prompt_tokens)
+        print(f"WARNING {time.strftime('%m-%d %H:%M:%S')} scheduler.py] {message}", flush=True)
+        log.outcome = f"ignored: {message}"
+        if self.kv is not None:
+            self.kv.failed(body, message)
+        return self.engine.ignored(log.prompt_tokens, log.max_tokens)
 
     async def _parse(self, request: web.Request) -> dict[str, Any]:
         recipe = self.settings.recipe
@@ -238,7 +276,8 @@ class Emulator:
         return body
 
     def _lengths(self, body: dict[str, Any]) -> tuple[int, int]:
-        """Prompt tokens and the output length, with vLLM's context-length rules (§4)."""
+        """Prompt tokens and the output length, with vLLM's context-length rules (§4,
+        ``servematrix.engine.admission``, shared with the simulator)."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -268,9 +307,11 @@ class Emulator:
                 "Bad Request",
                 "body.max_tokens",
             )
-        if self.settings.recipe == "v1":
-            return tokens, _v1_max_tokens(tokens, max_tokens, limit, is_text)
-        return tokens, _v0_max_tokens(tokens, max_tokens, limit)
+        try:
+            granted = granted_max_tokens(self.settings.recipe, tokens, max_tokens, limit, is_text)
+        except ContextLengthError as error:
+            raise RequestError(error.status, error.message, param=error.param) from None
+        return tokens, granted
 
     def _error(self, error: RequestError) -> web.Response:
         recipe = self.settings.recipe
@@ -295,7 +336,8 @@ class Emulator:
         )
         response = _json(body)
         log.end_s = time.monotonic()
-        log.chunk_s, log.chunk_tokens, log.outcome = [log.end_s], [n], "ok"
+        log.chunk_s, log.chunk_tokens = [log.end_s], [n]
+        _ended(log)
         return response
 
     async def _stream(
@@ -357,7 +399,7 @@ class Emulator:
         await response.write(wire.SSE_DONE)
         await response.write_eof()
         log.end_s = time.monotonic()
-        log.outcome = "ok"
+        _ended(log)
         return response
 
     def _kv_params(self, log: RequestLog) -> Any:
@@ -368,61 +410,10 @@ class Emulator:
         return log.kv_transfer_params
 
 
-def _v1_max_tokens(prompt: int, max_tokens: int | None, limit: int, is_text: bool) -> int:
-    """0.33: errors only when the prompt alone is too long or max_tokens exceeds the limit;
-    otherwise max_tokens is clamped to what the context leaves."""
-    if max_tokens is not None and max_tokens > limit:
-        raise RequestError(
-            400,
-            f"max_tokens={max_tokens} cannot be greater than max_model_len={limit}. Please request "
-            f"fewer output tokens. (parameter=max_tokens, value={max_tokens})",
-            param="max_tokens",
-        )
-    if prompt > limit:
-        if is_text:
-            counted, value = f"at least {limit + 1}", limit + 1
-        else:
-            counted, value = str(prompt), prompt
-        raise RequestError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, your prompt "
-            f"contains {counted} input tokens, which exceeds this limit even without any output "
-            f"tokens. Please reduce the length of the input prompt. "
-            f"(parameter=input_tokens, value={value})",
-            param="input_tokens",
-        )
-    wanted = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    granted = min(wanted, limit - prompt)
-    if granted < 1:
-        raise RequestError(
-            400,
-            f"max_tokens must be at least 1, got {granted}. "
-            f"(parameter=max_tokens, value={granted})",
-            param="max_tokens",
-        )
-    return granted
-
-
-def _v0_max_tokens(prompt: int, max_tokens: int | None, limit: int) -> int:
-    """0.6: any prompt + max_tokens beyond the limit is an error; null means "the rest"."""
-    if max_tokens is None:
-        if prompt >= limit:
-            raise RequestError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt} tokens in the messages, Please reduce the length of the messages.",
-            )
-        return limit - prompt
-    if prompt + max_tokens > limit:
-        raise RequestError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt + max_tokens} tokens ({prompt} in the messages, {max_tokens} in the "
-            "completion). Please reduce the length of the messages or completion.",
-        )
-    if max_tokens < 1:
-        raise RequestError(400, f"max_tokens must be at least 1, got {max_tokens}.")
-    return max_tokens
+def _ended(log: RequestLog) -> None:
+    """A response sent in full: "ok", unless the request was ignored (it keeps why)."""
+    if log.outcome == "running":
+        log.outcome = "ok"
 
 
 def _json(text: str) -> web.Response:
