@@ -6,21 +6,28 @@ atomically with a metadata document that makes the numbers traceable.
 
 from __future__ import annotations
 
+import json
 import logging
 import platform
 import signal
 import socket
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from servematrix import __version__, trace
 from servematrix.config import Cell, ConfigError
 from servematrix.trace import CellIdentity, RequestRecord
+
+if TYPE_CHECKING:
+    from servematrix.deploy.recipes import Plan
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +108,29 @@ def _run_external(cell: Cell) -> BackendRun:
     return BackendRun(records, {"base_url": base_url, "started": "external", **client})
 
 
+def _emulator_preemptions(plan: Plan, prefix: str) -> dict[int, int]:
+    """How often the emulator's engines preempted each request of the run (by request id),
+    summed over the deployment's instances (a disaggregated request is served by both), from
+    each instance's emulator-only ``GET /servematrix/requests``; a request no instance saw
+    is absent."""
+    from servematrix.deploy import memory
+    from servematrix.deploy.supervise import DeployError
+
+    counts: dict[int, int] = {}
+    mark = f"{prefix}-"
+    for name, base in memory.instances(plan).items():
+        url = f"{base}/servematrix/requests?prefix={urllib.parse.quote(mark)}"
+        try:
+            with urllib.request.urlopen(url, timeout=30) as response:
+                logs = json.load(response)
+        except (urllib.error.URLError, OSError, ValueError) as error:
+            raise DeployError(f"{name}: could not read {url}: {error}") from error
+        for key, entry in logs.items():
+            request_id = int(key.removeprefix(mark))
+            counts[request_id] = counts.get(request_id, 0) + entry["preemptions"]
+    return counts
+
+
 class _Interrupted(KeyboardInterrupt):
     """SIGTERM (Snakemake stopping a job) handled as Ctrl-C: stop what the cell started."""
 
@@ -146,6 +176,9 @@ def _run_deployed(cell: Cell) -> BackendRun:
                 problem = lease.problem()
                 if problem is not None:
                     raise DeployError(problem)
+                if cell.backend == "emulator":
+                    counts = _emulator_preemptions(plan, client["request_id_prefix"])
+                    records = [replace(r, preemptions=counts.get(r.request_id)) for r in records]
                 keep = True
             finally:
                 lease.release(keep)

@@ -9,6 +9,9 @@ instance's KV-cache usage.
   models.
 * Both: KV-cache usage over time from each instance's Prometheus ``/metrics``
   (``vllm:kv_cache_usage_perc`` in V1, ``vllm:gpu_cache_usage_perc`` in 0.6; 0..1).
+* Backend ``emulator``, besides: the exact peak of KV blocks in use over the cell, from each
+  instance's emulator-only ``/servematrix/kv_cache`` (its peak is reset when the cell starts,
+  so a cell on a warm deployment measures its own).
 * Backend ``simulator`` (:func:`simulated`): the same modelled claim, and the exact peak of KV
   blocks in use (no sampling: the engine's pool records its fewest free blocks).
 
@@ -19,8 +22,8 @@ The result goes into the trace metadata under ``memory``; ``peak_gpu_memory_mib`
 * ``peak_gpu_memory_mib``: the most memory used on any pinned GPU (MiB; vllm: NVML, else the
   modelled claim);
 * ``peak_kv_cache_usage``: the most KV blocks in use at once over the pool's blocks (0..1),
-  the quantity of vLLM's ``kv_cache_usage_perc``, on the busiest instance (vllm and emulator:
-  the highest ``/metrics`` sample, so a peak between samples is missed; simulator: exact);
+  the quantity of vLLM's ``kv_cache_usage_perc``, on the busiest instance (vllm: the highest
+  ``/metrics`` sample, so a peak between samples is missed; emulator and simulator: exact);
 * vllm and emulator: ``sample_s``, ``gpus`` (per pinned GPU id: ``peak_used_mib`` and
   ``samples`` of [s, MiB]; one modelled sample on the emulator) and ``kv_cache_usage`` (per
   instance: samples of [s, usage]); ``gpu_memory_error`` when NVML failed;
@@ -28,12 +31,15 @@ The result goes into the trace metadata under ``memory``; ``peak_gpu_memory_mib`
   per GPU of every instance): ``weights_mib_per_gpu`` (the GPU's tensor-parallel shard of the
   weights), ``kv_pool_mib_per_gpu`` (the KV pool), ``kv_pool_blocks`` (blocks per instance) and
   ``kv_block_size_tokens``;
-* simulator: ``peak_kv_blocks``, the most blocks in use per instance (instance order; prefill
-  then decode when disaggregated).
+* emulator and simulator: ``peak_kv_blocks``, the most blocks in use per instance (instance
+  order; prefill then decode when disaggregated);
+* emulator: ``peak_kv_error`` instead when an instance could not say its peak (then
+  ``peak_kv_cache_usage`` is the highest sample, as on vllm).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.error
@@ -50,6 +56,25 @@ if TYPE_CHECKING:
 SAMPLE_S = 0.5
 KV_USAGE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 MIB = 1024 * 1024
+
+
+def _emulator_kv_cache(base: str, reset: bool = False) -> dict[str, Any]:
+    """An emulator instance's ``/servematrix/kv_cache`` (blocks), after starting a new peak
+    when ``reset``."""
+    if reset:
+        url = urllib.request.Request(
+            base + "/servematrix/kv_cache/reset_peak", data=b"", method="POST"
+        )
+    else:
+        url = urllib.request.Request(base + "/servematrix/kv_cache")
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.load(response)
+
+
+def instances(plan: Plan) -> dict[str, str]:
+    """The serving instances of a deployment (its processes pinned to GPUs; not etcd or the
+    proxy), in plan order, by name: their base URLs."""
+    return {p.name: p.health.url.rsplit("/", 1)[0] for p in plan.processes if p.gpus}
 
 
 def kv_cache_usage(base: str) -> float | None:
@@ -125,9 +150,9 @@ def sampled(
     """Sample in a thread while the block runs; the yielded dict is filled in at the end.
 
     ``layout`` (emulator: :func:`modelled_layout` of the engine it runs) goes in as it is."""
-    instances = {p.name: p.health.url.rsplit("/", 1)[0] for p in plan.processes if p.gpus}
+    bases = instances(plan)
     result: dict[str, Any] = {"sample_s": SAMPLE_S, **(layout or {})}
-    kv: dict[str, list[list[float]]] = {name: [] for name in instances}
+    kv: dict[str, list[list[float]]] = {name: [] for name in bases}
     gpu_samples: dict[int, list[list[float]]] = {gpu: [] for gpu in plan.gpus}
     nvml = None
     if backend == "vllm":
@@ -138,13 +163,21 @@ def sampled(
             result["gpu_memory_error"] = f"{type(error).__name__}: {error}"
     else:
         result["gpu_memory_source"] = f"modelled ({modelled_gpu}, gpu_memory_utilization)"
+    exact = backend == "emulator"
+    try:
+        if exact:
+            for base in bases.values():
+                _emulator_kv_cache(base, reset=True)
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        result["peak_kv_error"] = f"{type(error).__name__}: {error}"
+        exact = False
     stop = threading.Event()
     began = time.monotonic()
 
     def sample() -> None:
         while True:
             t = round(time.monotonic() - began, 3)
-            for name, base in instances.items():
+            for name, base in bases.items():
                 usage = kv_cache_usage(base)
                 if usage is not None:
                     kv[name].append([t, usage])
@@ -178,3 +211,13 @@ def sampled(
         usages = [v for s in kv.values() for _, v in s]
         result["peak_gpu_memory_mib"] = max(peaks) if peaks else None
         result["peak_kv_cache_usage"] = max(usages) if usages else None
+        if exact:
+            try:
+                pools = [_emulator_kv_cache(base) for base in bases.values()]
+            except (urllib.error.URLError, OSError, ValueError) as error:
+                result["peak_kv_error"] = f"{type(error).__name__}: {error}"
+            else:
+                result["peak_kv_blocks"] = [pool["peak_used_blocks"] for pool in pools]
+                result["peak_kv_cache_usage"] = max(
+                    pool["peak_used_blocks"] / pool["num_blocks"] for pool in pools
+                )
