@@ -365,20 +365,19 @@ def test_a_jsonl_workload_replays_its_lengths(tmp_path):
 
 
 def client_error(recipe: str, prompt: int, max_tokens: int, limit: int, text: bool) -> str:
-    """What the load generator records when the emulator refuses the request: the emulator's
-    own check, its error body and the client's reading of it (the simulator must agree)."""
+    """What the load generator records when the emulator refuses the request: vLLM's check
+    (shared by emulator and simulator), the emulator's error body and the client's reading of
+    it (the simulator must write the same)."""
     from servematrix import loadgen
-    from servematrix.emulator import server, wire
+    from servematrix.emulator import wire
+    from servematrix.engine.admission import ContextLengthError, granted_max_tokens
 
     try:
-        if recipe == "v1":
-            server._v1_max_tokens(prompt, max_tokens, limit, text)
-        else:
-            server._v0_max_tokens(prompt, max_tokens, limit)
-    except server.RequestError as error:
-        body = wire.error_body(recipe, error.message, error.kind, error.status, error.param)
-        return str(loadgen._status_message(error.status, body))
-    raise AssertionError("the emulator serves this request")
+        granted_max_tokens(recipe, prompt, max_tokens, limit, text)
+    except ContextLengthError as error:
+        body = wire.error_body(recipe, error.message, "BadRequestError", 400, error.param)
+        return str(loadgen._status_message(400, body))
+    raise AssertionError("the server serves this request")
 
 
 def oversized_jsonl(tmp_path) -> str:
@@ -429,7 +428,12 @@ def test_a_request_beyond_max_model_len_is_a_failed_row_and_the_cell_goes_on(
     assert long_ids.error == client_error(recipe, 10001, 2, 10_000, False)
     assert long_text.error == client_error(recipe, 10001, 3, 10_000, True)
     if recipe == "v1":
-        assert "your prompt contains at least 10001 input tokens" in long_text.error
+        assert long_text.error == (
+            "HTTP 400: This model's maximum context length is 10000 tokens. However, your "
+            "prompt contains at least 10001 input tokens, which exceeds this limit even without "
+            "any output tokens. Please reduce the length of the input prompt. "
+            "(parameter=input_tokens, value=10001)"
+        )
     for refused in (r for r in records if r.error):
         assert not refused.success and refused.chunk_s == refused.chunk_tokens == []
         assert refused.first_token_s is refused.end_s is None
