@@ -10,8 +10,11 @@ in two places, and they cost a step differently:
   text and stream it to its client. It overlaps the next GPU step, so it costs nothing while it
   is shorter than the step; but one process does it for every running stream in turn, so when
   its work per step (``overlapped_per_seq_ms`` × requests) outlasts the step, it sets the step
-  rate: tokens cannot come out faster than it hands them on, and the engine's next step waits
-  for the outputs of the last one to be taken.
+  rate here: tokens cannot reach clients faster than it hands them on (V1's engine core would
+  step on, but its outputs, and the requests queued behind them, wait in that process);
+* **in front of the engine** (V1): the same API-server process does each request's input work
+  (``request_ms``, serial: ``EngineInstance`` queues requests through it) and the rest of the
+  API path adds latency (``request_latency_ms``, on the simulator's request path).
 
 Per recipe (sources and derivation in docs/engine-model.md, "Host-side cost"):
 
