@@ -22,8 +22,8 @@ def cell_group(wildcards):
     components merged), so the deployment starts once per job and warm reuse holds there too.
     Locally cells stay separate jobs: priorities and the deployment registry keep them
     together. (Evaluated while the DAG is built, when the executor is known.)"""
-    if workflow.local_exec:
-        return None
+    if workflow.local_exec or wildcards.backend != SB.backend:
+        return None  # locally, or a measured run's simulator twin (rules/compare.smk)
     settings = workflow.group_settings
     names = deployment_groups(SB)
     merged = dict(settings.group_components or {})
