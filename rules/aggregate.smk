@@ -12,7 +12,7 @@ rule summarize:
             caption="../report/summary.rst",
             category="{study}",
             subcategory="Tables",
-            labels={"study": "{study}", "item": "summary table"},
+            labels={"study": "{study}", "item": "summary table", "backend": "{backend}"},
         ),
     log:
         "results/{backend}/logs/summary/{study}.log",
