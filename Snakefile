@@ -20,6 +20,7 @@ include: "rules/cells.smk"
 include: "rules/aggregate.smk"
 include: "rules/figures.smk"
 include: "rules/report.smk"
+include: "rules/compare.smk"
 
 
 if report_requested(sys.argv):

@@ -1,10 +1,11 @@
 # Validation, matrix expansion, input functions and wildcard constraints, all derived from
 # one validated config (servematrix.config). A bad config stops here, before any job.
 import json
+import sys
 from pathlib import Path
 
 from servematrix import config as sb_config
-from servematrix.workflow import fail_on_config_error, workflow_config
+from servematrix.workflow import fail_on_config_error, predicted_config, workflow_config
 
 # Snakemake's own `config` is not used: the workflow re-reads the config file (the
 # --configfile ones if given, else config/config.yaml, never both merged) with the same
@@ -15,18 +16,37 @@ with fail_on_config_error():
         workflow.config_settings.config,
         Path(workflow.basedir) / "config" / "schema.yaml",
     )
+
+
+def get_predicted_config():
+    """A measured run's simulator twin (rules/compare.smk): None on the simulator, or when the
+    engine cannot model the config; a measured run never fails for want of a prediction."""
+    try:
+        return predicted_config(SB)
+    except sb_config.ConfigError as error:
+        print(f"servematrix: no simulator prediction to compare with: {error}", file=sys.stderr)
+        return None
+
+
+PREDICTED = get_predicted_config()
+# The cells whose step-time sources the report states: the run's own on the simulator, else
+# the twin's (the emulator runs the same engine, so the same sources).
+SIMULATED = SB if SB.backend == "simulator" else PREDICTED
 # The report's Jinja templates read `config`: give them the validated one, defaults filled.
 config.clear()
 config.update(SB.raw)
 
 STUDIES = SB.studies
 FIGURES = ("ttft", "tpot", "itl", "throughput", "memory")
+COMPARED_FIGURES = ("ttft", "tpot", "itl", "throughput")  # servematrix.compare.COMPARED_FIGURES
 # The workload's file name is spelled by servematrix.config.workload_token alone.
 CELL_PATTERN = "{recipe}/{model}/{mode}/{workload}"
 
 
 wildcard_constraints:
-    backend=sb_config.wildcard_pattern([SB.backend]),
+    backend=sb_config.wildcard_pattern(
+        [SB.backend, *([PREDICTED.backend] if PREDICTED is not None else [])]
+    ),
     recipe=sb_config.wildcard_pattern(sb_config.RECIPES),
     model=sb_config.wildcard_pattern(SB.models),
     mode=sb_config.wildcard_pattern(sb_config.MODES),
@@ -46,20 +66,48 @@ def study_outputs(study):
     ]
 
 
+def prediction_outputs(study):
+    """Where the study's simulated step times came from and, on a measured run, the
+    simulator's prediction beside the measurement (rules/compare.smk)."""
+    outputs = []
+    if SIMULATED is not None:
+        outputs += [f"results/simulator/step_times/{study}.{ext}" for ext in ("md", "html")]
+    if PREDICTED is not None:
+        base = f"results/{SB.backend}/compare/{study}"
+        outputs += [f"{base}/ratios.{ext}" for ext in ("parquet", "csv", "html")]
+        outputs += expand(
+            f"{base}/{{figure}}.{{ext}}", figure=COMPARED_FIGURES, ext=("svg", "html")
+        )
+    return outputs
+
+
 def get_final_output():
     """Every study's outputs, and every trace: a deleted trace is rebuilt, with its aggregates."""
     traces = [cell.path for cell in SB.all_cells()]
-    return traces + [path for study in STUDIES for path in study_outputs(study)]
+    return traces + [
+        path for study in STUDIES for path in study_outputs(study) + prediction_outputs(study)
+    ]
+
+
+def config_of(backend):
+    """The run's config, or its simulator twin for the twin's paths."""
+    return PREDICTED if PREDICTED is not None and backend == PREDICTED.backend else SB
 
 
 def get_cell(wildcards, output):
     """The resolved cell behind a trace path (JSON, so a changed setting reruns the cell)."""
     with fail_on_config_error():
-        return json.dumps(SB.cell_at(output[0]).to_dict(), sort_keys=True)
+        return json.dumps(
+            config_of(wildcards.backend).cell_at(output[0]).to_dict(), sort_keys=True
+        )
 
 
 def get_study_traces(wildcards):
-    return [cell.path for cell in STUDIES[wildcards.study].cells]
+    return [cell.path for cell in config_of(wildcards.backend).studies[wildcards.study].cells]
+
+
+def get_simulated_traces(wildcards):
+    return [cell.path for cell in SIMULATED.studies[wildcards.study].cells]
 
 
 def get_study_title(wildcards):
