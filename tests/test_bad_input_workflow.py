@@ -112,7 +112,14 @@ def test_a_config_of_ones_own_is_not_merged_with_the_default(workdir, how):
         text=True,
     )
     assert "4 distinct cells on backend simulator" in check.stdout
-    assert planned_jobs(dry) == {"cell": 4, "summarize": 1, "figures": 1, "findings": 1, "all": 1}
+    assert planned_jobs(dry) == {
+        "cell": 4,
+        "step_time_sources": 1,
+        "summarize": 1,
+        "figures": 1,
+        "findings": 1,
+        "all": 1,
+    }
 
 
 def test_report_before_any_result_is_one_line(workdir):

@@ -61,7 +61,7 @@ def test_report_is_self_contained(finished_run):
 
 def test_every_rule_logs(finished_run):
     logs = finished_run / "results" / "simulator" / "logs"
-    assert len(list(logs.rglob("*.log"))) == 8 + 3 * 2
+    assert len(list(logs.rglob("*.log"))) == 8 + 4 * 2
 
 
 def test_deleting_one_cell_replans_only_that_cell_and_its_aggregates(finished_run):
@@ -71,6 +71,7 @@ def test_deleting_one_cell_replans_only_that_cell_and_its_aggregates(finished_ru
         assert dry.returncode == 0, dry.stderr
         assert planned_jobs(dry) == {
             "cell": 1,
+            "step_time_sources": 1,
             "summarize": 1,
             "figures": 1,
             "findings": 1,
@@ -92,6 +93,7 @@ def test_adding_a_qps_value_plans_only_the_new_cells(finished_run):
         assert dry.returncode == 0, dry.stderr
         assert planned_jobs(dry) == {
             "cell": 2,
+            "step_time_sources": 1,
             "summarize": 1,
             "figures": 1,
             "findings": 1,
@@ -130,6 +132,7 @@ def test_default_config_plans_every_study(tmp_path, default_config):
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert planned_jobs(dry) == {
         "cell": 116,
+        "step_time_sources": 6,
         "summarize": 6,
         "figures": 6,
         "findings": 6,
