@@ -206,12 +206,16 @@ def test_step_time_page_names_the_roofline_cells_and_why(tmp_path):
     assert page.count("<tr class=out>") == 1 and "aiconfigurator-core" in page
 
 
-def test_step_time_sentence_when_nothing_fell_back():
+def test_step_time_sentences_when_none_or_all_fell_back():
     setup = SetupStepTimes(MODEL, "A100-SXM4-80GB", 1, "bf16", "aiconfigurator", None, ("a",), 3)
     assert step_time_sentences([setup]) == [
         "All 3 cells took their step times from aiconfigurator-core's measured vLLM operator "
         "tables; none fell back to the roofline model."
     ]
+    roofline = SetupStepTimes(MODEL, "L40S-48GB", 2, "awq", "roofline (x)", "x", ("a", "b"), 1)
+    first, second = step_time_sentences([roofline])
+    assert first.startswith("All 1 cell took their step times from the roofline model")
+    assert second == f"{MODEL} on L40S-48GB, TP 2, awq (1 cell; modes a, b): x."
 
 
 def test_a_trace_without_the_fallback_field_says_so_by_its_label(tmp_path):

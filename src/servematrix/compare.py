@@ -161,8 +161,9 @@ def step_time_sentences(setups: Sequence[SetupStepTimes]) -> list[str]:
             "operator tables; none fell back to the roofline model."
         ]
     estimated = sum(s.cells for s in fallbacks)
+    share = f"All {_cells(total)}" if estimated == total else f"{estimated} of {_cells(total)}"
     sentences = [
-        f"{estimated} of {_cells(total)} took their step times from the roofline model (an "
+        f"{share} took their step times from the roofline model (an "
         "estimate from datasheet bandwidth and FLOPs, docs/engine-model.md), not from measured "
         "tables:"
     ]
