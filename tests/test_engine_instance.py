@@ -93,22 +93,51 @@ def test_a_lone_request_waits_for_the_api_server_before_its_first_step():
     inst = fronted(4.0)
     inst.add_request(Request(0, 100, 2))
     assert inst.has_work() and not inst.scheduler.waiting
-    handover = inst.step()
-    assert handover.duration_s == pytest.approx(0.004) and not handover.emitted
-    assert [r.request_id for r in inst.step().emitted] == [0]
-    assert inst.steps == 1  # the API server's step is not an engine step
+    first = inst.step()  # the API server's 4 ms, then the 110 ms prefill
+    assert first.duration_s == pytest.approx(0.114)
+    assert [r.request_id for r in first.emitted] == [0]
+    assert inst.steps == 1  # the hand-over is not an engine step
 
 
 def test_the_api_server_hands_requests_over_while_the_engine_steps():
     inst = fronted(4.0)
     for k in range(6):
         inst.add_request(Request(k, 100, 3))
-    inst.step()  # hands over request 0
-    prefill = inst.step()  # 110 ms for request 0's prompt: time for the other five
-    assert prefill.duration_s == pytest.approx(0.110)
+    first = inst.step()  # request 0: 4 ms of API, 110 ms of prompt: time for the other five
+    assert first.duration_s == pytest.approx(0.114)
     assert len(inst.scheduler.waiting) == 5 and not inst._inbox
     inst.step()
     assert len(inst.scheduler.running) == 6
+
+
+def test_decode_runs_hand_requests_over_as_single_steps_do():
+    """The simulator's driver: arrivals join at their time, runs stop at the next arrival."""
+
+    def trace(use_runs: bool) -> list[tuple[float, int]]:
+        inst = fronted(30.0, 0.5)
+        arrivals = [(0.0, 0), (0.05, 1), (0.06, 2), (0.2, 3)]
+        events, clock = [], 0.0
+        while arrivals or inst.has_work():
+            while arrivals and arrivals[0][0] <= clock:
+                inst.add_request(Request(arrivals.pop(0)[1], 10, 40))
+            if not inst.has_work():
+                clock = arrivals[0][0]
+                continue
+            horizon = arrivals[0][0] - clock if arrivals else float("inf")
+            run = inst.decode_run(horizon) if use_runs else None
+            if run is not None:
+                events += [(clock + end, len(run.requests)) for end in run.step_ends_s]
+                clock += run.step_ends_s[-1]
+            else:
+                result = inst.step()
+                clock += result.duration_s
+                events.append((clock, len(result.emitted)))
+        return events
+
+    single, runs = trace(False), trace(True)
+    assert [n for _, n in runs] == [n for _, n in single]
+    assert [t for t, _ in runs] == pytest.approx([t for t, _ in single])
+    assert max(n for _, n in runs) == 4
 
 
 def test_streaming_tokens_leaves_the_api_server_less_time_for_new_requests():
@@ -116,7 +145,6 @@ def test_streaming_tokens_leaves_the_api_server_less_time_for_new_requests():
         inst = fronted(4.0, api_token_ms)
         for k in range(40):
             inst.add_request(Request(k, 1, 50))
-        inst.step()
         inst.step()  # request 0's 1-token prompt, 11 ms: two more get in
         for _ in range(3):  # short decode steps of the running batch
             inst.step()
@@ -125,14 +153,14 @@ def test_streaming_tokens_leaves_the_api_server_less_time_for_new_requests():
     assert handed_over(0.0) > handed_over(1.0)
 
 
-def test_no_decode_run_while_requests_wait_in_the_api_server():
-    inst = fronted(4.0)
+def test_a_decode_run_ends_with_the_step_that_hands_a_request_over():
+    inst = fronted(25.0)
     inst.add_request(Request(0, 10, 50))
-    inst.step()
-    inst.step()
-    assert inst.decode_run(float("inf")) is not None
+    inst.step()  # 4 + 20 ms prefill... of a 10-token prompt: 20 ms
     inst.add_request(Request(1, 10, 50))
-    assert inst.decode_run(float("inf")) is None
+    run = inst.decode_run(float("inf"))
+    assert run is not None and len(run.step_ends_s) == 3  # 11 ms decode steps: 25 ms at the 3rd
+    assert [r.request_id for r in inst.scheduler.waiting] == [1]
 
 
 def test_the_api_server_refuses_what_the_pool_could_never_hold():

@@ -120,7 +120,7 @@ class EngineInstance:
     steps, in the time the step leaves it after streaming the step's tokens (``api_token_ms``
     per request in the step, the part of the step-time model's host cost that runs beside the
     engine): a request it finishes during a step joins the next one. With nothing running, a
-    step of the API server alone admits the next request."""
+    step starts with the API server handing over the next request."""
 
     def __init__(
         self,
@@ -161,7 +161,7 @@ class EngineInstance:
         to the caller's next event, which could change the batch); None when the next step is
         not a pure decode of every running request. Same result as calling :meth:`step` that
         many times, at a fraction of the cost."""
-        if horizon_s <= 0 or self._inbox:  # not even one step starts before the horizon
+        if horizon_s <= 0:  # not even one step starts before the horizon
             return None
         scheduler = self.scheduler
         max_steps = scheduler.decode_run_length()
@@ -179,28 +179,43 @@ class EngineInstance:
         ends: list[float] = []
         elapsed_ms = 0.0
         horizon_ms = horizon_s * 1e3
+        # With requests in the API server, the run ends with the step during which it hands
+        # the next one over (that request joins the step after), as single steps would.
+        inbox = bool(self._inbox)
+        streaming_ms = self.api_token_ms * len(requests)
+        api_left_ms = self.api_request_ms - self._inbox_done_ms
+        spare_ms = 0.0
         for offset, factor in enumerate(self.jitter.peek(max_steps)):
             if elapsed_ms >= horizon_ms:
                 break
             if offset == len(bases):
                 decodes = tuple([c + offset for c in start])
                 bases.append(model.step_ms(StepBatch((), decodes)))
-            elapsed_ms += bases[offset] * factor
+            step_ms = bases[offset] * factor
+            elapsed_ms += step_ms
             ends.append(elapsed_ms * 1e-3)
+            if inbox and step_ms > streaming_ms:
+                spare_ms += step_ms - streaming_ms
+                if spare_ms >= api_left_ms:
+                    break
         self.jitter.skip(len(ends))
         finished = scheduler.advance_decodes(len(ends))
         self.steps += len(ends)
+        if inbox:
+            self._hand_over(spare_ms)
         return DecodeRun(ends, requests, finished)
 
     def step(self) -> StepResult:
         """Schedule and run one step; the caller must only call it when :meth:`has_work`."""
         scheduler = self.scheduler
+        handover_ms = 0.0
         if self._inbox and not (scheduler.running or scheduler.waiting):
-            # Only the API server has work: the step is its handing over the next request.
-            duration_ms = self.api_request_ms - self._inbox_done_ms
+            # The engine has nothing until the API server hands over the next request: the step
+            # starts with the hand-over. (Requests arriving meanwhile are handed over during
+            # the engine's part: a little later than the API server's idle time would allow.)
+            handover_ms = self.api_request_ms - self._inbox_done_ms
             self._inbox_done_ms = 0.0
             scheduler.add(self._inbox.popleft())
-            return StepResult(duration_ms * 1e-3, [], [], 0)
         scheduled = scheduler.schedule()
         if not scheduled.requests:
             raise RuntimeError(
@@ -229,7 +244,8 @@ class EngineInstance:
         duration_ms = base_ms * self.jitter.factor() + receive_ms
         if self._inbox:
             self._hand_over(duration_ms - self.api_token_ms * len(scheduled.requests))
-        return StepResult(duration_ms * 1e-3, emitted, finished, len(scheduled.preempted), received)
+        duration_s = (handover_ms + duration_ms) * 1e-3
+        return StepResult(duration_s, emitted, finished, len(scheduled.preempted), received)
 
     def _hand_over(self, spare_ms: float) -> None:
         """The API server spends ``spare_ms`` on its inbox, first come first served; the
