@@ -2,24 +2,31 @@
 directly, TTFT and per-chunk delivery, P50 and P99. Prints a table.
 
     .venv/bin/python benchmarks/proxy_overhead.py [--requests 200] [--concurrency 1,16]
+    .venv/bin/python benchmarks/proxy_overhead.py --proxy-command "python other_proxy.py"
 
 Upstreams are two ``benchmarks/fixed_latency_server.py`` processes (first chunk after
 ``--first-ms``, then one chunk every ``--chunk-ms``); each proxy runs as its own process with
-the command line ``servematrix.deploy`` uses. Per path and concurrency, ``--requests``
-streamed requests of ``--tokens`` chunks are sent, ``--concurrency`` at a time, by one aiohttp
-client in this process; the paths take turns in ``--rounds`` rounds so that drifts of the
-machine's load hit them alike.
+the command line ``servematrix.deploy`` uses (``--proxy-command`` replaces its
+``python -m servematrix.proxy`` part, e.g. to measure an older revision of the module run as a
+script). Per path and concurrency, ``--requests`` streamed requests of ``--tokens`` chunks are
+sent, ``--concurrency`` at a time, by one aiohttp client in this process; the paths take turns
+in ``--rounds`` rounds so that drifts of the machine's load hit them alike.
 
 * TTFT: from sending the request to receiving its first chunk. The direct baseline of each
   proxy is what the proxy does, done by the client itself: ``round-robin`` and ``disagg-v1``
   (its prefill is fire-and-forget) against one streamed request to an upstream, ``disagg-v0``
-  against the prefill copy (``max_tokens`` 1, drained) followed by the streamed request.
+  against the prefill copy (``max_tokens`` 1, drained) followed by the streamed request. So
+  the prefill's own time is in both sides of ``disagg-v0``'s difference and only the proxy's
+  overhead remains: the hop to it and back, less what its two upstream requests cost beyond
+  the client's two. The second term can be negative (the proxy's requests are cheaper than the
+  aiohttp client's), so that row can come out below ``round-robin``, even below zero; the
+  ``round-robin`` row is the plain cost of the hop.
 * chunk: each chunk's delivery time, from the server writing it (``server_ns`` in the chunk,
   ``time.monotonic_ns()`` on the same host) to the client reading it.
 * added: proxy percentile minus direct percentile (the target is < 1 ms at P99).
 
 The machine is shared (the client, the proxy and both servers are separate processes on the
-same cores), so P99 includes scheduling noise; the header prints the load average.
+same cores), so P99 includes scheduling noise; the load average is printed before and after.
 """
 
 from __future__ import annotations
@@ -177,7 +184,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16, help="chunks per request")
     parser.add_argument("--first-ms", type=float, default=5.0)
     parser.add_argument("--chunk-ms", type=float, default=5.0)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument(
+        "--proxy-command",
+        default=f"{sys.executable} -m servematrix.proxy",
+        help="what runs a proxy, before its kind and flags (split on spaces)",
+    )
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
 
@@ -185,7 +197,7 @@ def main() -> None:
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     py = sys.executable
     timing = ["--first-ms", str(args.first_ms), "--chunk-ms", str(args.chunk_ms)]
-    proxy = [py, "-m", "servematrix.proxy"]
+    proxy = args.proxy_command.split()
     commands = {
         "a": [py, str(SERVER), "--port", str(ports["a"]), "--name", "a", "--stamp", *timing],
         "b": [py, str(SERVER), "--port", str(ports["b"]), "--name", "b", "--stamp", *timing],
@@ -206,9 +218,11 @@ def main() -> None:
         print(
             f"proxy overhead: {args.requests} requests x {args.tokens} chunks per path, "
             f"first chunk {args.first_ms} ms, then every {args.chunk_ms} ms; "
+            f"proxy: {args.proxy_command}; "
             f"{os.cpu_count()} CPUs, load average {load}"
         )
         asyncio.run(measure(args, urls))
+        print(f"\nload average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     finally:
         for process in processes.values():
             process.terminate()

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from servematrix.proxy import UpstreamError, with_members
+from servematrix.proxy import BodyFraming, UpstreamError, with_members
 from tests.proxy_helpers import (
     PROXY,
     ROOT,
@@ -276,3 +282,166 @@ def test_proxy_overhead_benchmark_prints_its_table() -> None:
     lines = result.stdout.splitlines()
     for path in ("direct", "round-robin", "disagg-v0", "disagg-v1"):
         assert sum(line.split()[:1] == [path] for line in lines) == 2, result.stdout
+
+
+def raw_exchange(url: str, data: bytes, done: Callable[[bytes], bool] | None = None) -> bytes:
+    """Send ``data`` on one connection; read until ``done(what came)`` (by default: one
+    response with a ``Content-Length`` body, complete) or the connection's end."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(data)
+        got = b""
+        while not (done or _one_response)(got):
+            more = sock.recv(65536)
+            if not more:
+                break
+            got += more
+        return got
+
+
+def _one_response(got: bytes) -> bool:
+    head, _, body = got.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":")[1])
+    return False
+
+
+def test_keep_alive_pipelining_chunked_bodies_and_100_continue(procs: Processes) -> None:
+    a = procs.fixed_server("a")
+    proxy = procs.proxy("proxy", "round-robin", "--upstream", a)
+    plain = json.dumps({**STREAM, "stream": False}).encode()
+    one = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(plain),
+        plain,
+    )
+    # Two requests in one send on one connection: two answers, in order.
+    got = raw_exchange(proxy, one + one, lambda got: got.count(b'"model": "a"') == 2)
+    assert got.count(b"HTTP/1.1 200 OK") == 2, got
+    # A chunked request body reaches the upstream whole, with a Content-Length.
+    chunked = b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (5, plain[:5], len(plain) - 5, plain[5:])
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    assert raw_exchange(proxy, head + chunked).startswith(b"HTTP/1.1 200 OK")
+    last = received(a)[-1]
+    assert last["body"].encode() == plain
+    assert last["headers"]["Content-Length"] == str(len(plain))
+    assert "Transfer-Encoding" not in last["headers"]
+    # Expect: 100-continue is answered before the body is sent.
+    host, port = proxy.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(plain)
+        )
+        assert sock.recv(1024) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(plain)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")
+
+
+def test_http10_head_and_malformed_requests(procs: Processes) -> None:
+    a = procs.fixed_server("a")
+    rr = procs.proxy("rr", "round-robin", "--upstream", a)
+    v0 = procs.proxy("v0", "disagg-v0", "--prefill", a, "--decode", a)
+    body = json.dumps(STREAM).encode()
+    # HTTP/1.0: no chunked framing can reach the client; the body ends with the connection.
+    got = raw_exchange(
+        rr, b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    head, _, rest = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.") and b" 200 " in head.split(b"\r\n")[0]
+    assert b"chunked" not in head.lower()
+    assert rest == post(a + "/v1/completions", body)[2]
+    # HEAD /health: the status and headers, no body, and the connection stays usable.
+    got = raw_exchange(
+        v0,
+        b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+        lambda got: got.endswith(b"}"),
+    )
+    assert got.count(b"HTTP/1.1 200 OK") == 2
+    assert got.count(b'"proxy": "disagg-v0"') == 1
+    # What the disaggregated proxies do not route; what nobody can parse.
+    assert post(v0 + "/v1/models", STREAM)[0] == 404
+    assert get(v0 + "/v1/completions")[0] == 405
+    got = raw_exchange(rr, b"NONSENSE\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 400 Bad Request")
+    assert b"malformed request" in got
+
+
+def test_a_pooled_connection_closed_by_the_server_is_replaced(tmp_path: Path) -> None:
+    """An upstream that closes a kept-alive connection when a second request arrives on it,
+    without answering (a request that meets the server's keep-alive timeout): the proxy sends
+    the request again on a new connection, and the client never sees the failure."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+    def serve_one(connection: socket.socket) -> None:
+        with connection:
+            data = b""
+            while b"\r\n\r\n" not in data:  # the first request (no body: a GET)
+                data += connection.recv(65536)
+            connection.sendall(answer)
+            connection.recv(65536)  # the second: closed unanswered
+
+    def accept() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve_one, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    with processes(tmp_path) as procs, listener:
+        upstream = f"http://127.0.0.1:{port}"
+        proxy = procs.proxy("proxy", "round-robin", "--upstream", upstream, wait=False)
+        wait_listening(proxy)
+        for _ in range(4):
+            assert get(proxy + "/v1/models") == (200, b"{}")
+
+
+def test_sigterm_ends_the_proxy_at_once_and_cleanly(procs: Processes) -> None:
+    a = procs.fixed_server("a", "--chunk-ms", "1000")
+    proxy = procs.proxy("proxy", "round-robin", "--upstream", a)
+    host, port = proxy.removeprefix("http://").split(":")
+    body = json.dumps({**STREAM, "max_tokens": 100}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")  # streaming, slowly
+        process = procs.running["proxy"]
+        start = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+        assert time.monotonic() - start < 5
+    assert "Traceback" not in procs.log("proxy")
+
+
+@given(
+    chunks=st.lists(st.binary(min_size=1, max_size=40), max_size=6),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=8),
+    extension=st.booleans(),
+)
+def test_chunked_body_end_is_found_across_any_split(
+    chunks: list[bytes], cuts: list[int], extension: bool
+) -> None:
+    ext = b";x=1" if extension else b""
+    framed = b"".join(b"%x%s\r\n%s\r\n" % (len(c), ext, c) for c in chunks)
+    framed += b"0\r\nTrailer: t\r\n\r\n"
+    wire = framed + b"HTTP/1.1 200 OK\r\n"  # the next message must not be taken
+    body = BodyFraming(None, True, keep=True)
+    used = 0
+    for start, end in itertools.pairwise([0, *sorted(c for c in cuts if c < len(wire)), len(wire)]):
+        if body.done:
+            break
+        used += body.feed(wire[start:end])
+    assert body.done
+    assert used == len(framed)
+    assert bytes(body.payload) == b"".join(chunks)
+
+
+@pytest.mark.parametrize("line", [b"zz\r\n", b"\r\n", b"-1\r\n"])
+def test_chunked_body_refuses_a_bad_size_line(line: bytes) -> None:
+    with pytest.raises(ValueError, match="chunk size"):
+        BodyFraming(None, True, keep=False).feed(line)
