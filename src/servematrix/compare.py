@@ -234,15 +234,16 @@ def write_step_times(
 def _check_cells(predicted: pl.DataFrame, measured: pl.DataFrame) -> None:
     """Both summaries hold the same cells, each once, and each comes from one backend."""
     for name, summary, expected in (
-        ("predicted", predicted, [PREDICTING_BACKEND]),
+        ("predicted", predicted, PREDICTING_BACKEND),
         ("measured", measured, None),
     ):
         missing = [c for c in ("backend", *KEYS, *(p.column for p in COMPARED)) if c not in summary]
         if missing:
             raise ValueError(f"{name} summary lacks column(s): {', '.join(missing)}")
         backends = summary["backend"].unique().to_list()
-        if len(backends) != 1 or (expected is not None and backends != expected):
-            raise ValueError(f"{name} summary holds backend(s) {backends}, expected one")
+        if len(backends) != 1 or (expected is not None and backends != [expected]):
+            wanted = expected or "one measured backend"
+            raise ValueError(f"{name} summary holds backend(s) {backends}, expected {wanted}")
         if summary.select(KEYS).is_duplicated().any():
             raise ValueError(f"{name} summary has several rows for one cell")
     if measured["backend"][0] == PREDICTING_BACKEND:
