@@ -167,3 +167,11 @@ def test_the_api_server_refuses_what_the_pool_could_never_hold():
     inst = fronted(4.0)
     with pytest.raises(ValueError, match="KV blocks but the pool has 1000"):
         inst.add_request(Request(0, 16_000, 10))
+
+
+def test_a_request_that_arrives_with_its_kv_goes_straight_to_the_scheduler():
+    """A disaggregated decode instance's request passed its API server before the KV pull."""
+    inst = fronted(4.0)
+    inst.add_request(Request(0, 100, 3, num_computed=99))
+    assert [r.request_id for r in inst.scheduler.waiting] == [0] and not inst._inbox
+    assert inst.step().duration_s == pytest.approx(0.011)  # one token of 10 + 1 ms, no hand-over

@@ -146,7 +146,10 @@ class EngineInstance:
         self.steps = 0
 
     def add_request(self, request: Request) -> None:
-        if self.api_request_ms:
+        """Queue a request: through the API server when there is one, except a request that
+        arrives with its prompt's KV (a disaggregated decode instance's), which passed the API
+        server before its KV was pulled (the simulator counts that on its request path)."""
+        if self.api_request_ms and not request.num_computed:
             self.scheduler.check(request)
             self._inbox.append(request)
         else:
