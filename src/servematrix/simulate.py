@@ -626,8 +626,10 @@ class _Disaggregated:
         self._prefill_busy = False
         self._decode_busy = False
         self._link_event_at = inf
-        # 1-token response + new request through the decode instance's API server
-        self._decode_hop_s = (2 * self.hop.request_ms + self.hop.api_server_ms) * 1e-3
+        # 1-token response + new request through the decode instance's API server, its serial
+        # input work included (the request reaches that engine with its KV, past its queue)
+        to_decoder_ms = 2 * self.hop.request_ms + self.hop.api_server_ms + setup.host.request_ms
+        self._decode_hop_s = to_decoder_ms * 1e-3
         self._chunk_hop_s = self.hop.chunk_ms * 1e-3
         self._hop_in_s = (self.hop.request_ms + self.hop.api_server_ms) * 1e-3
         # Per-request sizes and V0 receive times, indexed by request id (computed once per
