@@ -13,14 +13,16 @@ sent, ``--concurrency`` at a time, by one aiohttp client in this process; the pa
 in ``--rounds`` rounds so that drifts of the machine's load hit them alike.
 
 * TTFT: from sending the request to receiving its first chunk. The direct baseline of each
-  proxy is what the proxy does, done by the client itself: ``round-robin`` and ``disagg-v1``
-  (its prefill is fire-and-forget) against one streamed request to an upstream, ``disagg-v0``
-  against the prefill copy (``max_tokens`` 1, drained) followed by the streamed request. So
-  the prefill's own time is in both sides of ``disagg-v0``'s difference and only the proxy's
-  overhead remains: the hop to it and back, less what its two upstream requests cost beyond
-  the client's two. The second term can be negative (the proxy's requests are cheaper than the
-  aiohttp client's), so that row can come out below ``round-robin``, even below zero; the
-  ``round-robin`` row is the plain cost of the hop.
+  proxy is what the proxy does, done by the client itself: ``round-robin`` against one
+  streamed request to an upstream (``direct``); ``disagg-v0`` against the prefill copy
+  (``max_tokens`` 1, drained) followed by the streamed request (``direct-v0``); ``disagg-v1``
+  against the prefill copy (``max_tokens`` 1, not streamed) sent without waiting for it and
+  the streamed request at once (``direct-v1``). So the prefill's own time, and for v1 the
+  prefill server's work on the same cores, are on both sides of a difference and only the
+  proxy's overhead remains: the hop to it and back, plus what its upstream requests cost beyond
+  the client's. The second term can be negative (the proxy's requests are cheaper than the
+  aiohttp client's), so a disaggregated row can come out below ``round-robin``, even below
+  zero; the ``round-robin`` row is the plain cost of the hop.
 * chunk: each chunk's delivery time, from the server writing it (``server_ns`` in the chunk,
   ``time.monotonic_ns()`` on the same host) to the client reading it.
 * added: proxy percentile minus direct percentile (the target is < 1 ms at P99).
@@ -71,25 +73,41 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 
     raise SystemExit(f"{url} never became healthy")
 
 
+@dataclass(frozen=True)
+class Route:
+    """How the client sends a path's request: the URL it streams from; the prefill copy it
+    sends first, if any, awaited (v0) or not (v1); the path its figures are compared with."""
+
+    url: str
+    prefill_url: str | None = None
+    prefill_awaited: bool = True
+    baseline: str | None = None
+
+
 @dataclass
 class Samples:
     ttft_ms: list[float] = field(default_factory=list)
     chunk_ms: list[float] = field(default_factory=list)
 
 
+async def drain(session: aiohttp.ClientSession, url: str, body: dict[str, object]) -> None:
+    async with session.post(url, json=body) as response:
+        await response.read()
+
+
 async def one_request(
-    session: aiohttp.ClientSession,
-    url: str,
-    body: dict[str, object],
-    prefill_url: str | None,
-    samples: Samples,
+    session: aiohttp.ClientSession, route: Route, body: dict[str, object], samples: Samples
 ) -> None:
     sent = time.monotonic_ns()
-    if prefill_url is not None:
-        async with session.post(prefill_url, json={**body, "max_tokens": 1}) as response:
-            await response.read()
+    prefill = None
+    if route.prefill_url is not None and route.prefill_awaited:
+        await drain(session, route.prefill_url, {**body, "max_tokens": 1})
+    elif route.prefill_url is not None:
+        copy = {**body, "max_tokens": 1, "stream": False}
+        prefill = asyncio.create_task(drain(session, route.prefill_url, copy))
     first = True
     buffer = b""
+    url = route.url
     async with session.post(url, json=body) as response:
         if response.status != 200:
             raise SystemExit(f"{url}: HTTP {response.status}: {await response.text()}")
@@ -104,12 +122,13 @@ async def one_request(
                     samples.ttft_ms.append((now - sent) / 1e6)
                     first = False
                 samples.chunk_ms.append((now - json.loads(event[6:])["server_ns"]) / 1e6)
+    if prefill is not None:
+        await prefill
 
 
 async def run_batch(
     session: aiohttp.ClientSession,
-    url: str,
-    prefill_url: str | None,
+    route: Route,
     requests: int,
     concurrency: int,
     tokens: int,
@@ -120,7 +139,7 @@ async def run_batch(
 
     async def worker() -> None:
         for _ in queue:
-            await one_request(session, url, body, prefill_url, samples)
+            await one_request(session, route, body, samples)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
@@ -130,14 +149,14 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def measure(args: argparse.Namespace, urls: dict[str, str]) -> None:
-    a, b = urls["a"], urls["b"]
-    # path -> (url the client streams from, prefill copy it sends first, direct baseline)
+    a, b = (urls[name] + "/v1/completions" for name in ("a", "b"))
     paths = {
-        "direct": (a + "/v1/completions", None, None),
-        "direct-v0": (b + "/v1/completions", a + "/v1/completions", None),
-        "round-robin": (urls["round-robin"] + "/v1/completions", None, "direct"),
-        "disagg-v0": (urls["disagg-v0"] + "/v1/completions", None, "direct-v0"),
-        "disagg-v1": (urls["disagg-v1"] + "/v1/completions", None, "direct"),
+        "direct": Route(a),
+        "direct-v0": Route(b, a),
+        "direct-v1": Route(b, a, prefill_awaited=False),
+        "round-robin": Route(urls["round-robin"] + "/v1/completions", baseline="direct"),
+        "disagg-v0": Route(urls["disagg-v0"] + "/v1/completions", baseline="direct-v0"),
+        "disagg-v1": Route(urls["disagg-v1"] + "/v1/completions", baseline="direct-v1"),
     }
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -145,24 +164,24 @@ async def measure(args: argparse.Namespace, urls: dict[str, str]) -> None:
             results = {name: Samples() for name in paths}
             per_round = max(args.requests // args.rounds, concurrency)
             # Warm the pools of every hop (client, proxy) before anything is recorded.
-            for url, prefill, _ in paths.values():
-                await run_batch(session, url, prefill, concurrency, concurrency, 2, Samples())
+            for route in paths.values():
+                await run_batch(session, route, concurrency, concurrency, 2, Samples())
             for _ in range(args.rounds):
-                for name, (url, prefill, _) in paths.items():
+                for name, route in paths.items():
                     await run_batch(
-                        session, url, prefill, per_round, concurrency, args.tokens, results[name]
+                        session, route, per_round, concurrency, args.tokens, results[name]
                     )
             print_table(concurrency, paths, results)
 
 
-def print_table(concurrency: int, paths: dict, results: dict[str, Samples]) -> None:
+def print_table(concurrency: int, paths: dict[str, Route], results: dict[str, Samples]) -> None:
     print(f"\nconcurrency {concurrency}")
     print(
         f"{'path':<12} {'n':>5} | {'TTFT P50':>8} {'P99':>7} {'added P50':>9} {'P99':>7}"
         f" | {'chunk P50':>9} {'P99':>7} {'added P50':>9} {'P99':>7}   (ms)"
     )
-    for name, (_, _, baseline) in paths.items():
-        s = results[name]
+    for name, route in paths.items():
+        s, baseline = results[name], route.baseline
         row = f"{name:<12} {len(s.ttft_ms):>5}"
         for metric in ("ttft_ms", "chunk_ms"):
             values = getattr(s, metric)
