@@ -19,10 +19,12 @@ for a fraction of a sampling interval; longer outputs (1024/64) at QPS 4 and 16;
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/emulator_kv_peak.py        # about 4 minutes
+    .venv/bin/python benchmarks/emulator_kv_peak.py --quick   # the small pool only, v1
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -57,11 +59,15 @@ def run(cell, path: Path) -> tuple[dict, dict[int, int | None]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the preempting case on v1 only")
+    args = parser.parse_args()
+    recipes, cases = (("v1",), CASES[-1:]) if args.quick else (("v0", "v1"), CASES)
     rows = []
     with tempfile.TemporaryDirectory(prefix="servematrix-kv-peak-") as tmp:
         os.chdir(tmp)  # the cell writes its logs under results/
-        for recipe in ("v0", "v1"):
-            for serving, input_len, output_len, prompts, qps in CASES:
+        for recipe in recipes:
+            for serving, input_len, output_len, prompts, qps in cases:
                 base = cell_for(MODEL, recipe, "single", qps, prompts)
                 workload = replace(
                     base.workload, input_len=input_len, output_len=output_len, warmup_requests=0

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import socket
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -196,3 +198,20 @@ def test_requests_the_server_cannot_serve_are_failed_rows(tmp_path, monkeypatch,
             (True, None, 2),
         ]
     assert [r["preemptions"] for r in rows] == [0] * len(JSONL_LINES)
+
+
+def test_kv_peak_benchmark_quick_prints_its_table():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/emulator_kv_peak.py", "--quick"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = [line for line in result.stdout.splitlines() if line.startswith("| v1 ")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[4:7] == ["814", "814", "814"]  # the pool, filled on both backends
+    # Both preempt; the wall clock can move a request by a step, and so one preemption.
+    assert int(cells[8]) > 0 and int(cells[9]) > 0 and int(cells[10]) <= 2
