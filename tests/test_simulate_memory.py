@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import http.server
+import threading
 
 import pytest
 
 from servematrix.cell import _modelled_layout, _run_simulator
 from servematrix.config import MODES, Cell, ModelSpec, Serving, Workload
-from servematrix.deploy.recipes import plan
+from servematrix.deploy.memory import sampled
+from servematrix.deploy.recipes import Health, Plan, Process, plan
 from servematrix.emulator import cli as emulator_cli
 from servematrix.engine.hardware import gpu_spec
 from servematrix.engine.kvcache import BlockPool
@@ -111,3 +114,43 @@ def test_emulator_layout_is_the_one_its_servers_build(
             setup = emulator_cli.engine_setup(args, model, max_model_len)
         assert layout["kv_pool_blocks"] == setup.kv.num_blocks, process.name
         assert layout["weights_mib_per_gpu"] == pytest.approx(setup.kv.weights_gib * 1024, abs=0.1)
+
+
+class _MetricsOnly(http.server.BaseHTTPRequestHandler):
+    """A server with vLLM's /metrics and nothing of the emulator's own routes."""
+
+    def do_GET(self) -> None:
+        if self.path != "/metrics":
+            self.send_error(404)
+            return
+        body = b'vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.25\n'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self.send_error(404)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_emulator_without_its_kv_route_falls_back_to_the_samples_and_says_why() -> None:
+    """An instance that cannot say its exact peak (no /servematrix/kv_cache) leaves the
+    sampled peak in place, with the reason, rather than failing the cell or hiding it."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _MetricsOnly)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        process = Process("single", ("x",), {}, 0, Health(url + "/health"), (0,))
+        deployment = Plan("emulator", "v1", "m", "single", (process,), url, "f")
+        with sampled(deployment, "emulator", "A100-SXM4-80GB", 0.8) as memory_use:
+            pass
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert memory_use["peak_kv_error"].startswith("HTTPError: HTTP Error 404")
+    assert memory_use["peak_kv_cache_usage"] == 0.25
+    assert "peak_kv_blocks" not in memory_use
