@@ -123,6 +123,30 @@ def test_recompute_preemption_when_decode_growth_needs_a_block():
     assert s.pool.free_blocks == 1
 
 
+@pytest.mark.parametrize("policy", ["prefill_first", "decode_first"])
+def test_a_preempted_request_is_readmitted_and_finishes_without_prefix_caching(policy):
+    """Recompute preemption in both policies: the victim waits at the head of the queue, is
+    prefilled again over its prompt and the tokens it had generated, and finishes with every
+    token, counted once; the pool is whole again at the end."""
+    s = make(policy=policy, chunked=policy == "decode_first", blocks=4, budget=64)
+    a, b = Request(0, 32, 10), Request(1, 32, 10)
+    s.add(a)
+    s.add(b)
+    emitted: dict[int, int] = {0: 0, 1: 0}
+    recomputed = []
+    while s.has_work():
+        step = s.schedule()
+        for request, new in zip(step.requests, step.new_tokens, strict=True):
+            if request is b and b.num_preemptions and new > 1:
+                recomputed.append(new)
+        for request in s.complete(step)[0]:
+            emitted[request.request_id] += 1
+    assert (a.num_preemptions, b.num_preemptions) == (0, 1)
+    assert emitted == {0: 10, 1: 10}
+    assert b.num_generated == b.max_tokens and recomputed[0] > b.prompt_tokens
+    assert s.pool.free_blocks == s.pool.num_blocks
+
+
 def test_finished_requests_free_their_blocks():
     s = make()
     r = decoding(s, 0, prompt=20, max_tokens=2)
