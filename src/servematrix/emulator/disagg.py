@@ -191,10 +191,12 @@ class KvConnector:
         task.add_done_callback(self._tasks.discard)
 
     async def before_submit(
-        self, body: Mapping[str, Any], prompt_tokens: int, arrival_s: float
+        self, body: Mapping[str, Any], prompt_tokens: int, arrival_s: float, api_path_s: float
     ) -> tuple[float, dict[str, Any]]:
         """Consumer: get the request's KV; returns the instant it may join the engine and the
-        engine ``Request`` fields that say how its prompt is covered."""
+        engine ``Request`` fields that say how its prompt is covered. ``api_path_s`` is the
+        modelled API path of a request that arrives with its KV (latency and serial work):
+        a consumer whose KV covers the prompt waits it out on the request's way there."""
         return arrival_s, {}
 
     def submitted(self, body: Mapping[str, Any], stream: TokenStream) -> None:
@@ -324,7 +326,7 @@ class MooncakeV1(KvConnector):
             future.set_result(problem)
 
     async def before_submit(
-        self, body: Mapping[str, Any], prompt_tokens: int, arrival_s: float
+        self, body: Mapping[str, Any], prompt_tokens: int, arrival_s: float, api_path_s: float
     ) -> tuple[float, dict[str, Any]]:
         params = body.get("kv_transfer_params")
         if self.role != "kv_consumer" or not isinstance(params, dict):
@@ -350,6 +352,9 @@ class MooncakeV1(KvConnector):
             raise KvTransferError(
                 f"KV load failed for {transfer_id} from engine {engine_id}: {answer}"
             )
+        # As simulate._Disaggregated: after the prefill, the decode request's way through
+        # this server's API path (engine.host), then the pull over the link.
+        await asyncio.sleep(api_path_s)
         nbytes = self.bytes_per_token_per_rank * self.link.tp * prompt_tokens
         done_s = await self._link.transfer(nbytes)
         # All prompt KV is present; the last prompt token is recomputed to sample the first
@@ -585,7 +590,7 @@ class MooncakeV0(KvConnector):
         self._prefills[request.request_id] = (prompt_key(body.get("prompt")), request.prompt_tokens)
 
     async def before_submit(
-        self, body: Mapping[str, Any], prompt_tokens: int, arrival_s: float
+        self, body: Mapping[str, Any], prompt_tokens: int, arrival_s: float, api_path_s: float
     ) -> tuple[float, dict[str, Any]]:
         if self.role != "kv_consumer":
             return arrival_s, {}
