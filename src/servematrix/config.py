@@ -96,13 +96,15 @@ class Serving:
 
     ``max_num_batched_tokens`` None keeps the recipe's default (see
     ``servematrix.engine.scheduler.scheduler_config``); ``enforce_eager`` is vLLM's
-    ``--enforce-eager`` (no CUDA graphs).
+    ``--enforce-eager`` (no CUDA graphs); ``prefix_caching`` is ``--enable-prefix-caching``
+    (False: off in both recipes, for parity with the published vLLM 0.6 studies).
     """
 
     max_model_len: int
     gpu_memory_utilization: float
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
+    prefix_caching: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,14 @@ class Cell:
 
     @property
     def path(self) -> str:
-        return cell_path(self.backend, self.recipe, self.model.name, self.mode.name, self.workload)
+        return cell_path(
+            self.backend,
+            self.recipe,
+            self.model.name,
+            self.mode.name,
+            self.workload,
+            self.serving.prefix_caching,
+        )
 
     @property
     def instance_gpus(self) -> tuple[tuple[int, ...], ...]:
@@ -129,7 +138,12 @@ class Cell:
         return self.model.gpus[: self.mode.instances]
 
     def to_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(asdict(self)))
+        data = json.loads(json.dumps(asdict(self)))
+        if not self.serving.prefix_caching:
+            # Left out at its default: the setting's arrival changed no existing cell's
+            # parameters (no rerun) nor its trace metadata.
+            del data["serving"]["prefix_caching"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cell:
@@ -189,8 +203,8 @@ def format_number(value: float) -> str:
 
 
 WORKLOAD_TOKEN_PATTERN = r"qps([0-9.e+-]+|inf)_in\d+_out\d+_n\d+_s\d+(_[A-Za-z0-9.+-]+)*"
-"""Every name `workload_token` can spell: the constraint of the cell rule's ``workload``
-wildcard, kept here next to the function it matches."""
+"""Every name `workload_token` can spell, with `cell_path`'s ``_apc``: the constraint of the
+cell rule's ``workload`` wildcard, kept here next to the function it matches."""
 
 
 def workload_token(w: Workload) -> str:
@@ -224,8 +238,13 @@ def workload_token(w: Workload) -> str:
     return token
 
 
-def cell_path(backend: str, recipe: str, model: str, mode: str, w: Workload) -> str:
-    return f"results/{backend}/cells/{recipe}/{model}/{mode}/{workload_token(w)}.parquet"
+def cell_path(
+    backend: str, recipe: str, model: str, mode: str, w: Workload, prefix_caching: bool = False
+) -> str:
+    """A cell's trace: its workload's name, then ``_apc`` when the servers cache prefixes (the
+    one serving flag in the name, so that a study may compare caching on and off)."""
+    token = workload_token(w) + ("_apc" if prefix_caching else "")
+    return f"results/{backend}/cells/{recipe}/{model}/{mode}/{token}.parquet"
 
 
 def _key_path(parts: Iterable[Any]) -> str:
@@ -333,6 +352,7 @@ def _study(
         settings["gpu_memory_utilization"],
         settings.get("max_num_batched_tokens"),
         bool(settings.get("enforce_eager", False)),
+        bool(settings.get("prefix_caching", False)),
     )
     _check_workload_settings(base, data, settings)
     cells = []

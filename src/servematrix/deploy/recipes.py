@@ -74,6 +74,8 @@ V0 = Recipe(
         Segment(("--enable-chunked-prefill",), "chunked_on"),
         Segment(("--gpu-memory-utilization", "{gpu_memory_utilization}")),
         Segment(("--kv-transfer-config", "{kv_transfer_config}"), "disaggregated"),
+        # Config `prefix_caching: true` (off by default in 0.6), after the published line.
+        Segment(("--enable-prefix-caching",), "prefix_caching_on"),
     ),
     kv_transfer_config={
         "kv_producer": {
@@ -103,8 +105,10 @@ V1 = Recipe(
         Segment(("{model}",)),
         Segment(("--port", "{port}", "-tp", "{tp}", "--max-model-len", "{max_model_len}")),
         Segment(("--gpu-memory-utilization", "{gpu_memory_utilization}")),
-        # Parity with v0: V1 turns prefix caching and chunked prefill on by default.
-        Segment(("--no-enable-prefix-caching",)),
+        # Parity with v0: V1 turns prefix caching and chunked prefill on by default (config
+        # `prefix_caching: true` asks for it in the same place).
+        Segment(("--no-enable-prefix-caching",), "prefix_caching_off"),
+        Segment(("--enable-prefix-caching",), "prefix_caching_on"),
         Segment(("--no-enable-chunked-prefill",), "chunked_off"),
         Segment(("--enable-chunked-prefill",), "chunked_on"),
         Segment(("--kv-transfer-config", "{kv_transfer_config}"), "disaggregated"),
@@ -279,6 +283,8 @@ def _conditions(cell: Cell) -> dict[str, bool]:
         "disaggregated": mode.disaggregated,
         "chunked_on": mode.chunked_prefill is True,
         "chunked_off": mode.chunked_prefill is False,
+        "prefix_caching_on": cell.serving.prefix_caching,
+        "prefix_caching_off": not cell.serving.prefix_caching,
     }
 
 

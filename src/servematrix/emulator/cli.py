@@ -225,6 +225,7 @@ def engine_setup(args: argparse.Namespace, model: ModelInfo, max_model_len: int)
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             enforce_eager=args.enforce_eager,
+            prefix_caching=args.enable_prefix_caching,
             jitter_cv=args.jitter_cv,
             straggler_probability=args.straggler_probability,
             model_label=args.model,

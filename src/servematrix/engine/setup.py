@@ -97,6 +97,7 @@ def build_engine_setup(
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int | None = None,
     enforce_eager: bool = False,
+    prefix_caching: bool | None = None,
     jitter_cv: float = DEFAULT_JITTER_CV,
     straggler_probability: float = DEFAULT_STRAGGLER_PROBABILITY,
     step_time: StepTimeModel | None = None,
@@ -106,9 +107,10 @@ def build_engine_setup(
 
     ``architecture`` is a shipped architecture's name or one already loaded (a user's
     ``config.json``); ``chunked_prefill`` None keeps the recipe's default; ``max_num_seqs`` and
-    ``max_num_batched_tokens`` None keep vLLM's defaults; ``step_time`` replaces the step-time
-    model (tests); ``model_label`` names the model in start-up errors (default: the
-    architecture and quantization).
+    ``max_num_batched_tokens`` None keep vLLM's defaults; ``prefix_caching`` is
+    ``--[no-]enable-prefix-caching`` (None: the recipe's default, on in V1, off in 0.6);
+    ``step_time`` replaces the step-time model (tests); ``model_label`` names the model in
+    start-up errors (default: the architecture and quantization).
     """
     arch = load_architecture(architecture) if isinstance(architecture, str) else architecture
     spec = gpu_spec(gpu)
@@ -117,6 +119,8 @@ def build_engine_setup(
     )
     if max_num_seqs is not None:
         sched = replace(sched, max_num_seqs=max_num_seqs)
+    if prefix_caching is not None:
+        sched = replace(sched, prefix_caching=prefix_caching)
     kv = plan_kv_memory(
         model_label=model_label or f"{arch.name} ({quantization})",
         arch=arch,
