@@ -504,13 +504,14 @@ def test_preemptions_per_request_come_from_the_engine(mode, recipe):
 
 
 def test_recipes_run_without_prefix_caching_as_their_servers_do():
-    from servematrix.deploy.recipes import V1
-    from servematrix.simulate import RECIPE_PREFIX_CACHING, engine_setup
+    from servematrix.deploy.recipes import plan
+    from servematrix.simulate import engine_setup
 
-    always = [segment.tokens for segment in V1.args if segment.when is None]
-    assert ("--no-enable-prefix-caching",) in always
-    assert RECIPE_PREFIX_CACHING == {"v0": False, "v1": False}
-    assert not engine_setup(cell("single", "v1")).scheduler.prefix_caching
+    c = cell("single", "v1")
+    assert "--no-enable-prefix-caching" in plan(c, "emulator").processes[0].argv
+    assert not c.serving.prefix_caching
+    assert not engine_setup(c).scheduler.prefix_caching
+    assert not engine_setup(cell("single", "v0")).scheduler.prefix_caching
 
 
 def sonnet_cell(tmp_path, recipe="v1", prefix_len=600) -> Cell:
@@ -555,7 +556,7 @@ def test_sonnet_requests_share_the_prefix_random_ones_none(tmp_path):
     assert random.shared_prefix_tokens == 0 and random.text_prompt == []
 
 
-def test_sonnet_prompts_hit_a_prefix_cache_and_random_prompts_do_not(tmp_path, monkeypatch):
+def test_sonnet_prompts_hit_a_prefix_cache_and_random_prompts_do_not(tmp_path):
     """With the engine's prefix caching on (V1's own default), a sonnet cell's requests after
     the first start past the cached prefix; a random cell's never do; with caching off, as
     the recipes run vLLM, the sonnet cell computes every prefix again."""
@@ -600,8 +601,9 @@ def test_sonnet_prompts_hit_a_prefix_cache_and_random_prompts_do_not(tmp_path, m
 
     # End to end: the simulator with caching on answers sonnet prompts sooner.
     off = ttft_ms(simulate(sonnet))
-    monkeypatch.setitem(simulate_module.RECIPE_PREFIX_CACHING, "v1", True)
-    on = ttft_ms(simulate(sonnet))
+    on = ttft_ms(
+        simulate(dataclasses.replace(sonnet, serving=Serving(10_000, 0.8, prefix_caching=True)))
+    )
     assert on.mean() < 0.6 * off.mean()
 
 

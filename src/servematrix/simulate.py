@@ -29,7 +29,8 @@ that fits only with fewer output tokens to what the context leaves, as 0.33 does
 ``preemptions`` counts the engine's recompute preemptions of the request (both instances when
 disaggregated). Sonnet prompts share their first ``RequestLengths.shared_prefix_tokens``
 tokens (one prefix group), which a prefix-caching engine serves from its cache; the recipes run
-vLLM without prefix caching (`RECIPE_PREFIX_CACHING`), so the simulator does too.
+vLLM without prefix caching unless the config's ``prefix_caching`` asks for it, and so does the
+simulator.
 """
 
 from __future__ import annotations
@@ -88,12 +89,6 @@ class SimulationResult:
     engine_parameters: dict[str, Any]
     kv: KvMemoryPlan
     peak_kv_blocks: list[int]
-
-
-RECIPE_PREFIX_CACHING = {"v0": False, "v1": False}
-"""Whether each recipe's servers cache prefixes: vLLM 0.6 does not by default, and the ``v1``
-recipe passes ``--no-enable-prefix-caching`` (`servematrix.deploy.recipes`, for parity with
-``v0``), although V1's engine would cache by default."""
 
 
 def simulate(cell: Cell, step_time: StepTimeModel | None = None) -> SimulationResult:
@@ -156,7 +151,7 @@ def engine_setup(cell: Cell, step_time: StepTimeModel | None = None) -> EngineSe
     """The engine every instance of the cell runs (the emulator builds the same one from the
     vLLM flags the cell's deployment passes it)."""
     serving = cell.serving
-    setup = build_engine_setup(
+    return build_engine_setup(
         cell.model.architecture,
         quantization=cell.model.quantization,
         tensor_parallel=cell.model.tensor_parallel,
@@ -167,6 +162,7 @@ def engine_setup(cell: Cell, step_time: StepTimeModel | None = None) -> EngineSe
         gpu=cell.engine.get("gpu", DEFAULT_GPU),
         max_num_batched_tokens=serving.max_num_batched_tokens,
         enforce_eager=serving.enforce_eager,
+        prefix_caching=serving.prefix_caching,  # as the recipes' --[no-]enable-prefix-caching
         jitter_cv=float(cell.engine.get("jitter_cv", DEFAULT_JITTER_CV)),
         straggler_probability=float(
             cell.engine.get("straggler_probability", DEFAULT_STRAGGLER_PROBABILITY)
@@ -174,8 +170,6 @@ def engine_setup(cell: Cell, step_time: StepTimeModel | None = None) -> EngineSe
         step_time=step_time,
         model_label=f"{cell.model.name} ({cell.model.quantization})",
     )
-    caching = RECIPE_PREFIX_CACHING.get(cell.recipe, setup.scheduler.prefix_caching)
-    return replace(setup, scheduler=replace(setup.scheduler, prefix_caching=caching))
 
 
 def _parameters(
