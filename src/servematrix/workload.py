@@ -142,9 +142,14 @@ class TokenCounter:
         return cls.from_file(found) if found else cls.approximate()
 
     def count(self, text: str) -> int:
+        return len(self.tokens(text))
+
+    def tokens(self, text: str) -> list[int] | list[str]:
+        """The prompt's tokens as counted: the tokenizer's ids, or the approximation's pieces
+        (the emulator's prefix cache compares prompts by them)."""
         if self._tokenizer is None:
-            return len(_APPROXIMATE_TOKEN.findall(text))
-        return len(self._tokenizer.encode(text, add_special_tokens=True).ids)
+            return _APPROXIMATE_TOKEN.findall(text)
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
 
     def format(self, prompt: str) -> str:
         """``prompt`` as one user message in the chat template (unchanged without one)."""
