@@ -26,6 +26,9 @@ in ``--rounds`` rounds so that drifts of the machine's load hit them alike.
 * chunk: each chunk's delivery time, from the server writing it (``server_ns`` in the chunk,
   ``time.monotonic_ns()`` on the same host) to the client reading it.
 * added: proxy percentile minus direct percentile (the target is < 1 ms at P99).
+* proxy CPU: the proxy process's user + system CPU time (``/proc``, in 10 ms ticks) over all
+  its measured requests, per request: its own work, syscalls included, for one request and
+  its ``--tokens`` chunks.
 
 The machine is shared (the client, the proxy and both servers are separate processes on the
 same cores), so P99 includes scheduling noise; the load average is printed before and after.
@@ -88,6 +91,13 @@ class Route:
 class Samples:
     ttft_ms: list[float] = field(default_factory=list)
     chunk_ms: list[float] = field(default_factory=list)
+    cpu_s: float = 0.0  # the proxy's CPU time over these requests
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def drain(session: aiohttp.ClientSession, url: str, body: dict[str, object]) -> None:
@@ -148,7 +158,7 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
-async def measure(args: argparse.Namespace, urls: dict[str, str]) -> None:
+async def measure(args: argparse.Namespace, urls: dict[str, str], pids: dict[str, int]) -> None:
     a, b = (urls[name] + "/v1/completions" for name in ("a", "b"))
     paths = {
         "direct": Route(a),
@@ -168,9 +178,12 @@ async def measure(args: argparse.Namespace, urls: dict[str, str]) -> None:
                 await run_batch(session, route, concurrency, concurrency, 2, Samples())
             for _ in range(args.rounds):
                 for name, route in paths.items():
+                    before = cpu_s(pids[name]) if name in pids else 0.0
                     await run_batch(
                         session, route, per_round, concurrency, args.tokens, results[name]
                     )
+                    if name in pids:
+                        results[name].cpu_s += cpu_s(pids[name]) - before
             print_table(concurrency, paths, results)
 
 
@@ -178,7 +191,8 @@ def print_table(concurrency: int, paths: dict[str, Route], results: dict[str, Sa
     print(f"\nconcurrency {concurrency}")
     print(
         f"{'path':<12} {'n':>5} | {'TTFT P50':>8} {'P99':>7} {'added P50':>9} {'P99':>7}"
-        f" | {'chunk P50':>9} {'P99':>7} {'added P50':>9} {'P99':>7}   (ms)"
+        f" | {'chunk P50':>9} {'P99':>7} {'added P50':>9} {'P99':>7}"
+        f" | {'proxy CPU/req':>13}   (ms)"
     )
     for name, route in paths.items():
         s, baseline = results[name], route.baseline
@@ -192,6 +206,8 @@ def print_table(concurrency: int, paths: dict[str, Route], results: dict[str, Sa
                 row += f" {p50 - pct(base, 50):>+9.3f} {p99 - pct(base, 99):>+7.3f}"
             else:
                 row += f" {'':>9} {'':>7}"
+        if baseline:
+            row += f" | {s.cpu_s * 1e3 / len(s.ttft_ms):>13.3f}"
         print(row)
 
 
@@ -240,7 +256,8 @@ def main() -> None:
             f"proxy: {args.proxy_command}; "
             f"{os.cpu_count()} CPUs, load average {load}"
         )
-        asyncio.run(measure(args, urls))
+        pids = {name: processes[name].pid for name in ("round-robin", "disagg-v0", "disagg-v1")}
+        asyncio.run(measure(args, urls, pids))
         print(f"\nload average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     finally:
         for process in processes.values():

@@ -631,7 +631,7 @@ class _ClientConnection(asyncio.Protocol):
             self._next_request()
 
     def _refuse(self, status: int, message: str) -> None:
-        self._close_after = True
+        self._busy = self._close_after = True  # nothing more is read from this client
         self.respond(status, error_body(message, status))
         assert self.transport is not None
         self.transport.close()
