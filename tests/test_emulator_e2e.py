@@ -455,7 +455,7 @@ def post_json(url: str) -> dict:
 def test_kv_cache_peak_is_exact_and_restarts_on_reset():
     """``/servematrix/kv_cache`` reports the most blocks ever in use, which a request shorter
     than the sampling interval hides from ``/metrics``; a reset starts a new peak."""
-    with emulator("--jitter-cv", "0") as (url, _):
+    with emulator("--jitter-cv", "0", "--no-enable-prefix-caching") as (url, _):
         pool = json.loads(get(f"{url}/servematrix/kv_cache")[1])
         assert pool["used_blocks"] == pool["peak_used_blocks"] == 0
         assert pool["block_size_tokens"] == 16 and pool["num_blocks"] > 1000
@@ -476,7 +476,9 @@ def test_kv_cache_peak_is_exact_and_restarts_on_reset():
 def test_per_request_preemptions_add_up_to_the_engine_counter():
     """Twelve long requests in a pool that holds about eight: the engine preempts some; each
     request's log counts its own, and together they are ``vllm:num_preemptions_total``."""
-    with emulator("--jitter-cv", "0", "--max-model-len", "4096", *SMALL_POOL) as (url, _):
+    with emulator(
+        "--jitter-cv", "0", "--no-enable-prefix-caching", "--max-model-len", "4096", *SMALL_POOL
+    ) as (url, _):
         post(url, stream_body([7] * 10, 2), "other")
         bodies = [stream_body(list(range(1500)), 200) for _ in range(12)]
         results = asyncio.run(_many(url, bodies, "pre"))
