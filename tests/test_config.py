@@ -234,6 +234,9 @@ def test_text_datasets_need_their_settings_to_apply(small_config, tmp_path):
             "_sonnet-sonnet-4x_p50",
         ),
         ({"max_concurrency": 1, "range_ratio": 0.5, "burstiness": 2}, "_r0.5_b2_c1"),
+        ({"prefix_caching": True}, "_apc"),
+        ({"prefix_caching": False}, ""),
+        ({"max_concurrency": 8, "prefix_caching": True}, "_c8_apc"),
     ],
 )
 def test_non_default_workloads_get_their_own_path(small_config, tmp_path, settings, suffix):

@@ -85,8 +85,11 @@ class WallClockEngine:
 
     @property
     def kv_usage(self) -> float:
+        """``kv_cache_usage_perc``: as in vLLM, cached prefix blocks that no running request
+        uses count as free (they are evicted on demand)."""
         pool = self.instance.scheduler.pool
-        return pool.used_blocks / pool.num_blocks
+        idle = sum(n for group, n in pool.cached_blocks.items() if not pool.prefix_users.get(group))
+        return (pool.used_blocks - idle) / pool.num_blocks
 
     def kv_cache(self) -> dict[str, int]:
         """The KV pool now and at its peak since start or :meth:`reset_kv_peak` (blocks): the

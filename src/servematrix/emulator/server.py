@@ -29,6 +29,7 @@ from aiohttp import web
 from servematrix.emulator import wire
 from servematrix.emulator.disagg import KvConnector, KvTransferError
 from servematrix.emulator.pacing import TokenStream, WallClockEngine
+from servematrix.emulator.prefixes import PrefixIndex
 from servematrix.engine.admission import (
     ContextLengthError,
     granted_max_tokens,
@@ -105,6 +106,8 @@ class Emulator:
         self.kv = kv  # disaggregated roles (emulator.disagg)
         self.requests: dict[str, RequestLog] = {}
         self.num_requests = 0
+        caching = engine.instance.scheduler.config.prefix_caching
+        self.prefixes = PrefixIndex() if caching else None  # --enable-prefix-caching
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_fastapi_errors], client_max_size=1 << 30)
@@ -146,7 +149,7 @@ class Emulator:
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        # No prefix cache is modelled: there is never anything to reset.
+        # Not modelled: cached prefixes stay until evicted.
         return _json(wire.dumps({"success": True}))
 
     async def request_log(self, request: web.Request) -> web.Response:
@@ -216,6 +219,8 @@ class Emulator:
             # KV consumer's request has waited out its whole API path before its transfer).
             if not covered.get("num_computed"):
                 arrival_s += self.settings.api_latency_ms * 1e-3
+            if self.prefixes is not None and not covered:
+                covered = self.prefixes.request_fields(self._tokens(body))
             stream = self.engine.submit(prompt_tokens, max_tokens, arrival_s, **covered)
             if self.kv is not None:
                 self.kv.submitted(body, stream)
@@ -291,12 +296,15 @@ class Emulator:
             raise RequestError(400, "Stream options can only be defined when `stream=True`.")
         return body
 
+    def _tokens(self, body: dict[str, Any]) -> list[int] | list[str]:
+        """The tokens of a prompt ``_lengths`` accepted (text: as it counted them)."""
+        prompt = _single_prompt(body)
+        return self.settings.text_counter.tokens(prompt) if isinstance(prompt, str) else prompt
+
     def _lengths(self, body: dict[str, Any]) -> tuple[int, int]:
         """Prompt tokens and the output length, with vLLM's context-length rules (§4,
         ``servematrix.engine.admission``, shared with the simulator)."""
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
+        prompt = _single_prompt(body)
         if prompt is None or prompt == "" or prompt == []:
             raise RequestError(
                 400, "Either prompt or prompt_embeds must be provided and non-empty."
@@ -424,6 +432,13 @@ class Emulator:
         if self.settings.recipe != "v1" or self.settings.kv_role == "kv_producer":
             return None
         return log.kv_transfer_params
+
+
+def _single_prompt(body: dict[str, Any]) -> Any:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt[0]  # a batch of one
+    return prompt
 
 
 def _ended(log: RequestLog) -> None:
