@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+import servematrix.simulate as simulate_module
 from servematrix.config import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.engine.kvcache import ModelDoesNotFitError
 from servematrix.simulate import round_robin_targets, simulate
@@ -611,3 +612,56 @@ def engine_setup_of(c: Cell):
     from servematrix.simulate import engine_setup
 
     return engine_setup(c)
+
+
+def v1_disaggregated_cells() -> list[Cell]:
+    """V1 disaggregated cells the pipelined driver runs: busy and idle instances, long and
+    varied outputs (decode runs), everything at once, and a pool tight enough to preempt."""
+    tcp, rdma = cell("mooncake-tcp", "v1", qps=8, n=300), cell("mooncake-rdma", "v1", n=200)
+    return [
+        tcp,
+        with_workload(tcp, output_len=40, range_ratio=0.5, seed=3),
+        with_workload(rdma, qps=0.5, output_len=20),
+        with_workload(rdma, qps=float("inf"), num_prompts=80),
+        dataclasses.replace(tcp, engine={**tcp.engine, "jitter_cv": 0.05}),
+        tight_kv_cell("mooncake-tcp", "v1"),
+    ]
+
+
+def one_queue(monkeypatch):
+    """Make the disaggregated driver run every request on its one event queue."""
+
+    class OneQueue(simulate_module._Disaggregated):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "pipelined": False})
+
+    monkeypatch.setattr(simulate_module, "_Disaggregated", OneQueue)
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_v1_pipelined_driver_gives_the_one_queue_result(monkeypatch, index):
+    c = v1_disaggregated_cells()[index]
+    pipelined = simulate(c)
+    one_queue(monkeypatch)
+    assert simulate(c) == pipelined
+
+
+def test_an_order_tie_in_the_pipelined_driver_reruns_the_cell_on_one_queue(monkeypatch):
+    c = v1_disaggregated_cells()[1]
+    expected = simulate(c)
+
+    class EveryTime(set):
+        def __contains__(self, time):  # every decoder event meets an upstream one
+            return True
+
+    monkeypatch.setattr(simulate_module._Upstream, "times", lambda self: EveryTime())
+    drivers = []
+
+    class Recorded(simulate_module._Disaggregated):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            drivers.append(self.pipelined)
+
+    monkeypatch.setattr(simulate_module, "_Disaggregated", Recorded)
+    assert simulate(c) == expected
+    assert drivers == [True, False]  # the pipelined pass gave up, one queue ran the cell

@@ -39,9 +39,9 @@ import gc
 import heapq
 import math
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from math import inf
 from typing import Any
 
@@ -126,14 +126,24 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None) -> SimulationResult:
         cell.recipe, cell.serving.max_model_len, instances[0].scheduler.pool, lengths
     )
     if cell.mode.disaggregated:
-        driver = _Disaggregated(cell, setup, instances[0], instances[1], lengths, served)
+        driver: _RoundRobin | _Disaggregated = _Disaggregated(
+            cell, setup, instances[0], instances[1], lengths, served
+        )
+        try:
+            records = driver.run(sends)
+        except _OrderTie:  # the pipelined run cannot order two events: run again on one queue
+            instances = [setup.instance(workload.seed, index) for index in range(2)]
+            driver = _Disaggregated(
+                cell, setup, instances[0], instances[1], lengths, served, pipelined=False
+            )
+            records = driver.run(sends)
     else:
         hop = replace(
             NO_PROXY if cell.mode.instances == 1 else ProxyHop(),
             api_server_ms=setup.host.request_latency_ms,
         )
         driver = _RoundRobin(cell, instances, hop, lengths, served)
-    records = driver.run(sends)
+        records = driver.run(sends)
     parameters = _parameters(cell, setup, driver)
     if counter is not None:
         parameters["token_counter"] = counter.description
@@ -257,10 +267,11 @@ class _Requests:
         self.made.append(request)
         return request
 
-    def served(self, ids: range) -> list[Request | None]:
-        """Requests ``ids`` as `new` makes them, None for the refused ones; one comprehension,
-        as a 100,000-request cell makes them all at once."""
-        inputs, max_tokens, refused = self.input_lens, self.max_tokens, self.refused
+    def served(self, ids: range, limit: int | None = None) -> list[Request | None]:
+        """Requests ``ids`` as `new` makes them (``limit``: its ``max_tokens``), None for the
+        refused ones; one comprehension, as a 100,000-request cell makes them all at once."""
+        inputs, refused = self.input_lens, self.refused
+        max_tokens = self.max_tokens if limit is None else [limit] * len(inputs)
         if self.group is None:  # no prefix to share: the defaults, and no keyword arguments
             made = [Request(k, inputs[k], max_tokens[k]) for k in ids]
         else:
@@ -595,8 +606,84 @@ class _ReceiveStep:
         return self.clock + sum(left for _, left in self.segments)
 
 
+@dataclass
+class _Upstream:
+    """What `_Disaggregated._run_upstream` recorded: arrival times at the prefill instance
+    (sorted, ending with inf), the prefill steps (start, end), the batches sent to the decoder
+    and the link's events (time queued, time due), and the requests joining the decoder (time,
+    request ids) in event order."""
+
+    arrivals: list[float]
+    steps: list[tuple[float, float]] = field(default_factory=list)
+    transfers: list[tuple[float, float]] = field(default_factory=list)
+    link_events: list[tuple[float, float]] = field(default_factory=list)
+    joins: list[tuple[float, list[int]]] = field(default_factory=list)
+
+    def times(self) -> set[float]:
+        """Every time an upstream event happened (events are also queued at such times)."""
+        return {
+            *self.arrivals,
+            *(end for _, end in self.steps),
+            *(due for _, due in self.transfers),
+            *(due for _, due in self.link_events),
+        }
+
+    def horizon(self, to_decoder_s: float, link_min_s: float) -> Callable[[float], float]:
+        """``_decode_horizon`` as a function of the time (non-decreasing from call to call, and
+        never an upstream event's time): the prefill instance's next step end, or its next
+        arrival while it is idle, plus ``to_decoder_s``; the first batch on its way to the
+        decoder's arrival plus ``link_min_s``; the link's earliest queued event."""
+        arrivals, steps, transfers, link_events = (
+            self.arrivals,
+            self.steps,
+            self.transfers,
+            self.link_events,
+        )
+        n_steps, n_transfers, n_link = len(steps), len(transfers), len(link_events)
+        queued: list[float] = []  # due times of the link events queued (and some already past)
+        at = [0, 0, 0, 0]  # next step, arrival, transfer, link event to look at
+
+        def horizon(now: float) -> float:
+            p, a, q, k = at
+            while p < n_steps and steps[p][1] < now:
+                p += 1
+            if p < n_steps and steps[p][0] < now:  # busy: its completion event is queued
+                value = steps[p][1] + to_decoder_s
+            else:
+                while arrivals[a] < now:
+                    a += 1
+                value = arrivals[a] + to_decoder_s
+            while q < n_transfers and transfers[q][1] < now:
+                q += 1
+            if q < n_transfers and transfers[q][0] < now and transfers[q][1] + link_min_s < value:
+                value = transfers[q][1] + link_min_s
+            while k < n_link and link_events[k][0] < now:
+                heapq.heappush(queued, link_events[k][1])
+                k += 1
+            while queued and queued[0] < now:
+                heapq.heappop(queued)
+            if queued and queued[0] < value:
+                value = queued[0]
+            at[:] = p, a, q, k
+            return value
+
+        return horizon
+
+
+class _OrderTie(Exception):
+    """A pipelined run met a decoder event at the very time of an upstream event: their order
+    on one queue decides what happens, so the cell is simulated again on one queue."""
+
+
 class _Disaggregated:
-    """Prefill instance → proxy → (KV transfer) → decode instance, on one event queue."""
+    """Prefill instance → proxy → (KV transfer) → decode instance, on one event queue.
+
+    ``pipelined`` (V1 without a concurrency cap): nothing flows back from the decoder, so the
+    measured requests run in two passes with the same result: the prefill instance and the
+    link on the event queue (`_run_upstream`), recording when requests join the decoder and
+    what the queue holds; then the decoder alone (`_run_decoder`), its decode runs bounded by
+    the horizon the recorded queue gives. A decoder event at the exact time of an upstream
+    event raises `_OrderTie` (their order would have decided which came first)."""
 
     def __init__(
         self,
@@ -606,8 +693,10 @@ class _Disaggregated:
         decode: EngineInstance,
         lengths: RequestLengths,
         served: Served,
+        pipelined: bool = True,
     ):
         self.cell = cell
+        self.pipelined = pipelined and cell.recipe == "v1"
         self.lengths = lengths
         self.requests = _Requests(lengths, served)
         self._refused = served.errors
@@ -733,7 +822,11 @@ class _Disaggregated:
             self.chunks[k] = [t - clock for t in self.chunks[k]]
         scheduled = sends.tolist()
         if not _capped(w.max_concurrency, w.num_prompts):
-            self._run([(sent, w.warmup_requests + i) for i, sent in enumerate(scheduled)])
+            measured = [(sent, w.warmup_requests + i) for i, sent in enumerate(scheduled)]
+            if self.pipelined:
+                self._run_decoder(self._run_upstream(measured))
+            else:
+                self._run(measured)
             return _records(
                 w.warmup_requests, warm_sends, sends, None, self.chunks, self.lengths, self.requests
             )
@@ -804,6 +897,128 @@ class _Disaggregated:
                 "bytes per rank) cannot hold one prefill batch: its inserts wait for a consumer "
                 "that never receives the batch, and vLLM would hang the same way"
             )
+
+    def _run_upstream(self, sends: list[tuple[float, int]]) -> _Upstream:
+        """`_run` without the decoder (V1, no concurrency cap): the prefill instance and the
+        link on the event queue. Returns when requests would join the decoder and what the
+        queue held, for `_run_decoder`."""
+        hop_in, decode_hop = self._hop_in_s, self._decode_hop_s
+        arrivals = sorted((sent + hop_in, k) for sent, k in sends)
+        last = len(arrivals)
+        arrivals.append((inf, -1))  # sentinel: no more arrivals
+        up = _Upstream([t for t, _ in arrivals])
+        steps, transfers, link_events, joins = up.steps, up.transfers, up.link_events, up.joins
+        events, prefill, link = self._events, self.prefill, self.link
+        transfer_bytes = self._transfer_bytes
+        # The proxy's max_tokens=1 copies (as _on_arrive_prefill makes them), made at once.
+        first = min(k for _, k in sends) if sends else 0
+        copies = self.requests.served(range(first, first + len(sends)), 1)
+        add = prefill.add_request
+
+        def on_arrive(now: float, request_id: int) -> None:
+            request = copies[request_id - first]
+            if request is not None:  # a refused one reaches no engine
+                add(request)
+
+        i = 0
+        while True:
+            arrival_at = arrivals[i][0]
+            if arrival_at <= (events[0][0] if events else inf):
+                if arrival_at == inf:
+                    break
+                now = arrival_at
+                on_arrive(now, arrivals[i][1])
+                i += 1
+                if self._prefill_busy:
+                    # Nothing else can start: take the arrivals up to the next event at once.
+                    until = events[0][0] if events else inf
+                    while i < last and arrivals[i][0] <= until:
+                        on_arrive(arrivals[i][0], arrivals[i][1])
+                        i += 1
+            else:
+                now, _, kind, payload = heapq.heappop(events)
+                if kind == _PREFILL_DONE:  # as _on_prefill_done, recorded
+                    self._prefill_busy = False
+                    steps.append((payload[0], now))
+                    finished = [request.request_id for request in payload[1].finished]
+                    if finished:
+                        self._push(now + decode_hop, _ARRIVE_TRANSFER, finished)
+                        transfers.append((now, now + decode_hop))
+                else:
+                    if kind == _ARRIVE_TRANSFER:  # as _on_arrive_transfer
+                        for request_id in payload:
+                            link.start(now, request_id, transfer_bytes[request_id])
+                    else:  # _LINK, as _on_link with the decoder's part recorded
+                        self._link_event_at = inf
+                        done = [request_id for _, request_id in link.advance(now)]
+                        if done:
+                            joins.append((now, done))
+                    nxt = link.next_event_s()  # as _schedule_link, recorded
+                    if nxt < self._link_event_at:
+                        self._link_event_at = nxt
+                        self._push(nxt, _LINK, None)
+                        link_events.append((now, nxt))
+            if not self._prefill_busy and prefill.has_work():
+                # As _start: a prefill instance never has a decode run (its requests finish
+                # with their first token) nor receives KV.
+                result = prefill.step()
+                self._push(now + result.duration_s, _PREFILL_DONE, (now, result))
+                self._prefill_busy = True
+        return up
+
+    def _run_decoder(self, up: _Upstream) -> None:
+        """The decoder after `_run_upstream`: requests join at the recorded times, and a decode
+        run may go on until the horizon `_decode_horizon` would give on the full queue."""
+        decode, chunks, hop = self.decode, self.chunks, self._chunk_hop_s
+        waiting, add, made = decode.scheduler.waiting, decode.add_request, self.requests.made
+        input_lens, output_lens = self._input_lens, self._output_lens
+        upstream_times = up.times()
+        horizon_at = up.horizon(self._event_leads[_PREFILL_DONE], self._link_min_s)
+        joins = up.joins
+        joins.append((inf, []))  # sentinel
+        j = 0
+        done_at, started = inf, 0.0  # done_at inf: the decoder is idle
+        result: StepResult | DecodeRun | None = None
+        while True:
+            join_at = joins[j][0]
+            if join_at <= done_at:
+                if join_at == inf:
+                    break
+                if join_at == done_at:
+                    raise _OrderTie
+                now = join_at
+                for request_id in joins[j][1]:
+                    # All prompt KV is present; the decoder recomputes the last prompt token to
+                    # sample the first output token (as _on_link).
+                    input_len = input_lens[request_id]
+                    request = Request(request_id, input_len, output_lens[request_id], input_len - 1)
+                    made.append(request)
+                    add(request)
+                j += 1
+                if done_at < inf:
+                    continue  # busy: they wait for the next step
+            else:
+                now = done_at
+                if now in upstream_times:
+                    raise _OrderTie
+                if isinstance(result, DecodeRun):
+                    ends = [started + hop + end for end in result.step_ends_s]
+                    for request in result.requests:
+                        chunks[request.request_id].extend(ends)
+                else:
+                    assert result is not None
+                    for request in result.emitted:
+                        chunks[request.request_id].append(now + hop)
+                done_at = inf
+                if not decode.has_work():
+                    continue
+            started = now
+            run = None if waiting else decode.decode_run(horizon_at(now) - now)
+            if run is not None:
+                result, done_at = run, now + run.step_ends_s[-1]
+            else:
+                result = decode.step()
+                done_at = now + result.duration_s
 
     def _start(
         self, instance: EngineInstance, done_kind: int, now: float, next_event: float

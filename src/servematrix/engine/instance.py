@@ -241,7 +241,10 @@ class EngineInstance:
                 decodes.append(request.num_computed + 1)
             else:
                 prefills.append((new, request.num_computed))
-        base_ms = self._base_ms(tuple(prefills), tuple(decodes))
+        key = (tuple(prefills), tuple(decodes))  # _base_ms, inlined (once per step)
+        base_ms = self._cache.get(key)
+        if base_ms is None:
+            base_ms = self._base_ms(*key)
         emitted, finished = scheduler.complete(scheduled)
         self.steps += 1
         duration_ms = base_ms * self.jitter.factor() + receive_ms

@@ -277,7 +277,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Give a request's own blocks back to the pool; its cached prefix blocks stay cached."""
-        self.pool.free(request.num_blocks - request.shared_blocks)
+        self.pool.free_blocks += request.num_blocks - request.shared_blocks  # pool.free, inlined
         if request.shared_blocks:
             self.pool.release_prefix(request.prefix_group)
             request.shared_blocks = 0
@@ -383,21 +383,39 @@ class Scheduler:
         step.new_tokens.append(need)
 
     def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
-        """Admit waiting requests FCFS into what is left of the token ``budget``."""
+        """Admit waiting requests FCFS into what is left of the token ``budget``.
+
+        `_admit` and the pool's ``can_admit`` / ``allocate`` inlined for the common case of
+        enough free blocks above the watermark (the simulator's hot path); the pool's methods
+        decide the rest (eviction of cached prefixes, refusal)."""
         config, pool, waiting = self.config, self.pool, self.waiting
         seats = config.max_num_seqs - len(self.running)
+        chunked, caching, block_size = config.chunked_prefill, self._prefix_caching, pool.block_size
+        running, requests, new_tokens = self.running, step.requests, step.new_tokens
         while waiting and seats > 0 and budget > 0:
             request = waiting[0]
-            if self._prefix_caching and request.prefix_group is not None and not request.num_blocks:
+            if caching and request.prefix_group is not None and not request.num_blocks:
                 self._use_cached_prefix(request)
             need = request.prompt_tokens + request.num_generated - request.num_computed
             if need > budget:
-                if not config.chunked_prefill:
+                if not chunked:
                     break
                 need = budget
-            blocks = pool.blocks_for(request.num_computed + need) - request.num_blocks
-            if not pool.can_admit(blocks):
+            blocks = -(-(request.num_computed + need) // block_size) - request.num_blocks
+            free = pool.free_blocks
+            if free >= blocks + pool.watermark_blocks:
+                free -= blocks
+                pool.free_blocks = free
+                if free < pool.min_free_blocks:
+                    pool.min_free_blocks = free
+            elif pool.can_admit(blocks):
+                pool.allocate(blocks)
+            else:
                 break
-            self._admit(step, need, blocks)
+            waiting.popleft()
+            request.num_blocks += blocks
+            running.append(request)
+            requests.append(request)
+            new_tokens.append(need)
             budget -= need
             seats -= 1

@@ -296,14 +296,18 @@ class TransferLink:
         ulp is 1.1e-13 s) is finished where it stands, since no later clock value could ever
         drain it; without that the next event would stay at "now" forever.
         """
-        pending = self._pending
+        pending, flowing = self._pending, self._flowing
         while True:
-            nxt = self.next_event_s()
+            nxt = self._drain_at  # next_event_s, inlined
+            if nxt is None:
+                nxt = self._drain_at = self._drain_time_s()
+            if pending and pending[0][0] < nxt:
+                nxt = pending[0][0]
             if nxt > now:
                 break
             before = self._now
             self._progress(nxt)
-            finished = self._finish_drained(nxt)
+            finished = self._finish_drained(nxt) if flowing else False
             started = False
             while pending and pending[0][0] <= nxt:
                 _, _, key, nbytes = heapq.heappop(pending)
@@ -314,7 +318,8 @@ class TransferLink:
             if not (finished or started or self._now > before):
                 # Unreachable by the argument above; kept so the loop cannot spin.
                 self._finish(min(self._flowing, key=self._flowing.__getitem__), nxt)
-        self._progress(now)
+        if now > self._now:
+            self._progress(now)
 
     def _finish_drained(self, t: float) -> bool:
         """Finish, at ``t``, the transfers that are done: below 1e-3 bytes (float rounding of
