@@ -4,7 +4,11 @@ engine behind it in the simulator and the emulator (hits for shared prefixes onl
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -184,3 +188,64 @@ def test_emulator_serves_a_repeated_sonnet_prompt_faster_with_caching(tmp_path, 
     else:
         assert 0.7 * ttfts[0] < ttfts[1] < 1.4 * ttfts[0]
         assert 0.7 * ttfts[0] < ttfts[2] < 1.4 * ttfts[0]
+
+
+@pytest.mark.slow
+def test_reset_prefix_cache_empties_the_emulators_cache_in_dev_mode_only(tmp_path):
+    from tests.test_emulator_e2e import MODEL as HF_MODEL
+    from tests.test_emulator_e2e import emulator
+
+    workload = Workload(1.0, 6000, 2, 1, 0, "sonnet", 1.0, 0, dataset_path=sonnet_file(tmp_path))
+    (prompt,) = (r.prompt for r in build_requests(workload, 1000, TokenCounter.for_model(HF_MODEL)))
+    flags = ("--max-model-len", "10000", "--recipe", "v1", "--enable-prefix-caching")
+    with emulator(*flags, env={"VLLM_SERVER_DEV_MODE": "1"}) as (url, _):
+        cold, hit = (asyncio.run(_ttft_s(url, prompt)) for _ in range(2))
+        assert _get_json(url + "/servematrix/kv_cache")["used_blocks"] > 0
+        assert _post_json(url + "/reset_prefix_cache") == (200, {"success": True})
+        assert _get_json(url + "/servematrix/kv_cache")["used_blocks"] == 0
+        after_reset = asyncio.run(_ttft_s(url, prompt))
+    assert hit < 0.4 * cold
+    assert 0.7 * cold < after_reset < 1.4 * cold
+    with emulator(*flags) as (url, _):
+        assert _post_json(url + "/reset_prefix_cache")[0] == 404  # 0.33 outside dev mode
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["v0", "v1"])
+def test_a_warm_deployment_that_caches_starts_each_cell_with_an_empty_cache(tmp_path, recipe):
+    """v1 empties the cache of a reused deployment through /reset_prefix_cache; vLLM 0.6 has
+    no such route, so a v0 deployment that caches prefixes starts fresh for the next cell."""
+    from servematrix.deploy import warm
+    from tests.test_emulator_cell import LARGE_POOL, _cell
+
+    workload = Workload(1.0, 2000, 2, 1, 0, "random", 1.0, 0)
+    serving = replace(LARGE_POOL, prefix_caching=True)
+    cell = _cell(workload, tmp_path / "state", recipe=recipe, serving=serving, warm_deployment=True)
+    settings, state_dir, log_dir = warm.settings_for(cell)
+    deployment = plan(cell)
+    server = deployment.base_url.removesuffix("/v1")
+    try:
+        lease = warm.acquire(deployment, state_dir, log_dir, settings)
+        assert lease.fresh
+        asyncio.run(_ttft_s(server, "word " * 1500))
+        assert _get_json(server + "/servematrix/kv_cache")["used_blocks"] > 0  # cached
+        lease.release()
+        again = warm.acquire(deployment, state_dir, log_dir, settings)
+        assert again.fresh == (recipe == "v0")
+        assert _get_json(server + "/servematrix/kv_cache")["used_blocks"] == 0
+        again.release()
+    finally:
+        warm.stop_all(state_dir, 10)
+
+
+def _post_json(url: str) -> tuple[int, dict | None]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST")) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, None
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url) as response:
+        return json.loads(response.read())

@@ -60,6 +60,10 @@ class Recipe:
     etcd: bool = False
     """Mooncake modes need an etcd server and a ``mooncake.json`` (v0 only)."""
     disagg_proxy: str = "disagg-v1"
+    prefix_cache_reset_env: Mapping[str, str] | None = None
+    """With prefix caching on, the environment that gives each server ``POST
+    /reset_prefix_cache``, so a warm deployment starts a cell with an empty cache; None: the
+    version has no such route, and a deployment that caches prefixes starts fresh per cell."""
 
 
 V0 = Recipe(
@@ -123,6 +127,7 @@ V1 = Recipe(
     },
     producer_env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": "{bootstrap_port}"},
     disagg_proxy="disagg-v1",
+    prefix_cache_reset_env={"VLLM_SERVER_DEV_MODE": "1"},  # the route exists in dev mode only
 )
 
 RECIPES: dict[str, Recipe] = {"v0": V0, "v1": V1}
@@ -448,6 +453,8 @@ def plan(cell: Cell, backend: str | None = None) -> Plan:
         if backend == "emulator" and role is not None and cell.engine.get("kv_link"):
             # engine.kv_link overrides of the modelled KV link (emulator only; vLLM has a wire)
             env[EMULATOR_KV_LINK_ENV] = json.dumps(dict(cell.engine["kv_link"]), sort_keys=True)
+        if cell.serving.prefix_caching and recipe.prefix_cache_reset_env:
+            env.update(recipe.prefix_cache_reset_env)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         argv = _server_argv(recipe, cell, backend, port, role, host)
         return Process(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import signal
@@ -137,6 +138,22 @@ def wait_quiet(processes: Iterable[Process], timeout_s: float) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(POLL_S)
+
+
+def reset_prefix_caches(processes: Iterable[Process]) -> bool:
+    """``POST /reset_prefix_cache`` to every instance; whether each one emptied its cache."""
+    for process in processes:
+        if not process.gpus:
+            continue
+        url = process.health.url.rsplit("/", 1)[0] + "/reset_prefix_cache"
+        request = urllib.request.Request(url, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                if json.loads(response.read()).get("success") is not True:
+                    return False
+        except (urllib.error.URLError, OSError, ValueError, AttributeError):
+            return False
+    return True
 
 
 def signal_group(pgid: int, sig: int) -> bool:

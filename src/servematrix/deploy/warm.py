@@ -37,13 +37,14 @@ from typing import Any
 
 from servematrix.config import Cell
 from servematrix.deploy.gpulock import flock_before
-from servematrix.deploy.recipes import DEFAULT_DEPLOY, Plan
+from servematrix.deploy.recipes import DEFAULT_DEPLOY, RECIPES, Plan
 from servematrix.deploy.supervise import (
     DeployError,
     Deployment,
     group_alive,
     healthy,
     log_tail,
+    reset_prefix_caches,
     stop_groups,
     wait_quiet,
 )
@@ -283,9 +284,11 @@ def acquire(plan: Plan, state_dir: Path, log_dir: Path, settings: Settings) -> L
             state.get("status") == "ready"
             and pid_alive(state.get("supervisor_pid"))
             and healthy(plan.processes[-1].health.url)
-            # Both recipes run without prefix caching, so a quiet server starts each cell
-            # from the same state; one still busy with a previous cell's requests is restarted.
+            # A quiet server with an empty prefix cache starts each cell from the same state;
+            # one still busy with a previous cell's requests, or one whose cache cannot be
+            # emptied, is restarted.
             and wait_quiet(plan.processes, QUIET_TIMEOUT_S)
+            and prefix_cache_empty(plan)
         ):
             return Lease(plan, run_dir, False, float(state["startup_s"]), fd, settings)
         if is_active(run_dir):
@@ -295,6 +298,18 @@ def acquire(plan: Plan, state_dir: Path, log_dir: Path, settings: Settings) -> L
     except BaseException:
         os.close(fd)
         raise
+
+
+def prefix_cache_empty(plan: Plan) -> bool:
+    """Whether a reused deployment's servers hold no prefix of an earlier cell: none cache
+    (the default), or each emptied its cache on ``/reset_prefix_cache`` (v1; vLLM 0.6 has no
+    such route, so a v0 deployment that caches prefixes is started fresh for every cell)."""
+    servers = [process for process in plan.processes if process.gpus]
+    if not any("--enable-prefix-caching" in process.argv for process in servers):
+        return True
+    if RECIPES[plan.recipe].prefix_cache_reset_env is None:
+        return False
+    return reset_prefix_caches(servers)
 
 
 def _lock(fd: int, run_dir: Path, timeout_s: float) -> None:

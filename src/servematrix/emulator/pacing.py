@@ -108,6 +108,9 @@ class WallClockEngine:
         pool = self.instance.scheduler.pool
         pool.min_free_blocks = pool.free_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        return self.instance.scheduler.pool.reset_prefix_cache()
+
     def can_ever_admit(self, prompt_tokens: int) -> bool:
         """Whether the prompt's blocks fit in the pool above its admission watermark at all.
 

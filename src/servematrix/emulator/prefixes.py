@@ -26,6 +26,11 @@ class PrefixIndex:
         self._group_of: dict[int, int] = {}  # hash of a chain of full blocks -> prefix group
         self._groups = 0
 
+    def clear(self) -> None:
+        """Forget every prompt (the engine's cache was reset); new groups keep new numbers, so
+        none is taken for a group the engine may still hold blocks of."""
+        self._group_of.clear()
+
     def request_fields(self, tokens: Sequence[int | str]) -> dict[str, int]:
         """``prefix_group`` and ``prefix_tokens`` of the engine ``Request`` for a prompt of
         ``tokens`` (nothing for a prompt shorter than one block)."""

@@ -149,8 +149,12 @@ class Emulator:
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        # Not modelled: cached prefixes stay until evicted.
-        return _json(wire.dumps({"success": True}))
+        """0.33's dev-mode route: every cached prefix dropped, or ``success: false`` while a
+        running request still holds one."""
+        success = self.engine.reset_prefix_cache()
+        if success and self.prefixes is not None:
+            self.prefixes.clear()
+        return _json(wire.dumps({"success": success}))
 
     async def request_log(self, request: web.Request) -> web.Response:
         prefix = request.query.get("prefix", "")

@@ -222,6 +222,15 @@ class BlockPool:
         """A request hands ``blocks`` more computed prefix blocks of ``group`` to the cache."""
         self.cached_blocks[group] = self.cached_blocks.get(group, 0) + blocks
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix, as vLLM's ``/reset_prefix_cache``: False, dropping nothing,
+        while a running request still uses one."""
+        if any(self.prefix_users.get(group) for group in self.cached_blocks):
+            return False
+        self.free_blocks += sum(self.cached_blocks.values())
+        self.cached_blocks.clear()
+        return True
+
     def _evict(self, need_free: int) -> bool:
         """Free cached prefixes no running request uses until ``need_free`` blocks are free."""
         for group, blocks in list(self.cached_blocks.items()):
