@@ -149,11 +149,11 @@ class EngineInstance:
         """Queue a request: through the API server when there is one, except a request that
         arrives with its prompt's KV (a disaggregated decode instance's), which passed the API
         server before its KV was pulled (the simulator counts that on its request path)."""
-        if self.api_request_ms and not request.num_computed:
+        if request.num_computed or not self.api_request_ms:
+            self.scheduler.add(request)
+        else:
             self.scheduler.check(request)
             self._inbox.append(request)
-        else:
-            self.scheduler.add(request)
 
     def has_work(self) -> bool:
         scheduler = self.scheduler
@@ -229,7 +229,9 @@ class EngineInstance:
         decodes: list[int] = []
         receive_ms = 0.0
         received = 0
-        for request, new in zip(scheduled.requests, scheduled.new_tokens, strict=True):
+        new_tokens = scheduled.new_tokens  # parallel lists (zip's strict=True costs here)
+        for index, request in enumerate(scheduled.requests):
+            new = new_tokens[index]
             if request.receive_ms:
                 # V0 KV consumer: the prompt's KV arrives inside the forward pass instead of
                 # being computed; only the last position's logits are left to compute.

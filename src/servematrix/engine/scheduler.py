@@ -169,7 +169,9 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
-        self.check(request)
+        pool = self.pool
+        if request.prompt_tokens + request.max_tokens > pool.num_blocks * pool.block_size:
+            self.check(request)  # raises; the test is inlined for the others
         self.waiting.append(request)
 
     def check(self, request: Request) -> None:
@@ -213,8 +215,9 @@ class Scheduler:
         emitted: list[Request] = []
         finished: list[Request] = []
         caching = self._prefix_caching
-        for request, new in zip(step.requests, step.new_tokens, strict=True):
-            request.num_computed += new
+        new_tokens = step.new_tokens  # parallel lists (zip's strict=True costs here)
+        for index, request in enumerate(step.requests):
+            request.num_computed += new_tokens[index]
             if caching and request.prefix_group is not None:
                 self._cache_computed_prefix(request)
             if request.num_computed == request.prompt_tokens + request.num_generated:
@@ -271,9 +274,18 @@ class Scheduler:
     def _finish(self, finished: list[Request]) -> None:
         """Free the requests that have just generated their last token and drop them from the
         running list (only they have all their tokens)."""
+        pool = self.pool
         for request in finished:
-            self._release(request)
-        self.running = [r for r in self.running if r.num_generated < r.max_tokens]
+            if request.shared_blocks:
+                self._release(request)
+            else:  # _release, inlined
+                pool.free_blocks += request.num_blocks
+                request.num_blocks = 0
+        running = self.running
+        if len(finished) == len(running):  # all of them (the finished are running requests)
+            self.running = []
+        else:
+            self.running = [r for r in running if r.num_generated < r.max_tokens]
 
     def _release(self, request: Request) -> None:
         """Give a request's own blocks back to the pool; its cached prefix blocks stay cached."""

@@ -296,7 +296,7 @@ class TransferLink:
         ulp is 1.1e-13 s) is finished where it stands, since no later clock value could ever
         drain it; without that the next event would stay at "now" forever.
         """
-        pending, flowing = self._pending, self._flowing
+        pending, flowing, bandwidth = self._pending, self._flowing, self.bandwidth_bytes_per_s
         while True:
             nxt = self._drain_at  # next_event_s, inlined
             if nxt is None:
@@ -306,7 +306,13 @@ class TransferLink:
             if nxt > now:
                 break
             before = self._now
-            self._progress(nxt)
+            if nxt > before:  # _progress(nxt), inlined
+                if flowing:
+                    share = (nxt - before) * bandwidth / len(flowing)
+                    for key in flowing:
+                        flowing[key] -= share
+                    self._drain_at = None
+                self._now = nxt
             finished = self._finish_drained(nxt) if flowing else False
             started = False
             while pending and pending[0][0] <= nxt:
