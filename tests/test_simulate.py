@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 
 import numpy as np
@@ -665,3 +666,22 @@ def test_an_order_tie_in_the_pipelined_driver_reruns_the_cell_on_one_queue(monke
     monkeypatch.setattr(simulate_module, "_Disaggregated", Recorded)
     assert simulate(c) == expected
     assert drivers == [True, False]  # the pipelined pass gave up, one queue ran the cell
+
+
+def test_a_cells_objects_end_in_the_oldest_generation_without_a_scan():
+    assert gc.isenabled() and not gc.get_freeze_count()
+    records = simulate(cell(n=500)).records
+    assert gc.isenabled() and not gc.get_freeze_count()
+    oldest = {id(obj) for obj in gc.get_objects(generation=2)}
+    assert id(records[0]) in oldest and id(records[-1].chunk_s) in oldest
+
+
+def test_objects_the_process_froze_stay_frozen():
+    marker = [object()]
+    gc.freeze()
+    try:
+        simulate(cell(n=50))
+        assert gc.isenabled() and gc.get_freeze_count()  # gc.unfreeze would empty it
+        assert not any(obj is marker for obj in gc.get_objects())  # still frozen
+    finally:
+        gc.unfreeze()
