@@ -27,16 +27,24 @@ itself is single-threaded Python):
 built (they are part of ``simulate``); nothing is written to disk. The cyclic garbage collector is
 paused by ``simulate`` itself, in the workflow as here.
 
+``--fingerprints PATH`` writes a SHA-256 of every simulated cell's per-request columns (all of
+``RequestRecord``), its KV peaks and engine parameters to a JSON file, keyed by cell (the large
+cells by study, mode and size): two trees that simulate the same results write the same file,
+which checks that a speed-only change left every trace as it was. Hashing is not timed.
+
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/simulator_speed.py                 # everything, 20 s-2 min
     .venv/bin/python benchmarks/simulator_speed.py --quick         # 200-request part only
     .venv/bin/python benchmarks/simulator_speed.py --studies mooncake,quantization --large 20000
+    .venv/bin/python benchmarks/simulator_speed.py --repeat 1 --fingerprints /tmp/after.json
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import platform
 import signal
@@ -173,16 +181,55 @@ def _requests(cells: Sequence[Cell]) -> int:
     return sum(cell.workload.num_prompts for cell in cells)
 
 
-def _one_pass(simulate: Simulate, cells: Sequence[Cell]) -> float:
-    start = time.perf_counter()
-    for cell in cells:
-        simulate(cell)
-    return time.perf_counter() - start
+Fingerprints = dict[str, str]
+"""Cell label -> SHA-256 of what the simulator made of it (``--fingerprints``)."""
 
 
-def _timed_passes(simulate: Simulate, label: str, cells: Sequence[Cell], repeat: int) -> PassTiming:
+def fingerprint(result: Any) -> str:
+    """SHA-256 of a ``SimulationResult``: every record's fields in order (floats by ``repr``,
+    exact), the KV peaks and the engine parameters."""
+    digest = hashlib.sha256()
+    for record in result.records:
+        digest.update(repr(tuple(vars(record).values())).encode())
+    digest.update(repr(result.peak_kv_blocks).encode())
+    digest.update(json.dumps(result.engine_parameters, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+def _one_pass(
+    simulate: Simulate,
+    cells: Sequence[Cell],
+    fingerprints: Fingerprints | None = None,
+    labels: Sequence[str] | None = None,
+) -> float:
+    """Wall seconds of ``simulate`` over ``cells``; with ``fingerprints``, each result's
+    fingerprint under its label (``labels``, else the cell's path), hashed off the clock."""
+    if fingerprints is None:
+        start = time.perf_counter()
+        for cell in cells:
+            simulate(cell)
+        return time.perf_counter() - start
+    seconds = 0.0
+    for index, cell in enumerate(cells):
+        start = time.perf_counter()
+        result = simulate(cell)
+        seconds += time.perf_counter() - start
+        fingerprints[labels[index] if labels else cell.path] = fingerprint(result)
+    return seconds
+
+
+def _timed_passes(
+    simulate: Simulate,
+    label: str,
+    cells: Sequence[Cell],
+    repeat: int,
+    fingerprints: Fingerprints | None = None,
+) -> PassTiming:
+    """``repeat`` passes; the first one fingerprints the cells when asked to."""
     timing = PassTiming(label, len(cells), _requests(cells))
-    timing.seconds = [_one_pass(simulate, cells) for _ in range(repeat)]
+    timing.seconds = [
+        _one_pass(simulate, cells, fingerprints if index == 0 else None) for index in range(repeat)
+    ]
     return timing
 
 
@@ -226,12 +273,19 @@ def _cell_label(cell: Cell) -> str:
 
 
 def _large_row(
-    simulate: Simulate, study: str, mode: str, what: str, cells: Sequence[Cell], timeout: float
+    simulate: Simulate,
+    study: str,
+    mode: str,
+    what: str,
+    cells: Sequence[Cell],
+    timeout: float,
+    fingerprints: Fingerprints | None = None,
 ) -> LargeRow:
     requests = _requests(cells)
+    labels = [f"large/{study}/{mode}/{cell.workload.num_prompts}/{cell.path}" for cell in cells]
     try:
         with _time_limit(timeout):
-            seconds: float | None = _one_pass(simulate, cells)
+            seconds: float | None = _one_pass(simulate, cells, fingerprints, labels)
     except CellTimeout:
         seconds = None
     row = LargeRow(study, mode, what, len(cells), requests, seconds)
@@ -246,6 +300,7 @@ def measure_large(
     num_prompts: int,
     scope: str,
     timeout: float,
+    fingerprints: Fingerprints | None = None,
 ) -> list[LargeRow]:
     """Large cells: one per (study, mode), or every cell of each study."""
     rows = []
@@ -253,11 +308,14 @@ def measure_large(
         if scope == "study":
             large = [_with_prompts(cell, num_prompts) for cell in cells]
             modes = ",".join(sorted({cell.mode.name for cell in cells}))
-            rows.append(_large_row(simulate, name, modes, "whole study", large, timeout))
+            rows.append(
+                _large_row(simulate, name, modes, "whole study", large, timeout, fingerprints)
+            )
             continue
         for mode, cell in representative_cells(cells).items():
             large = [_with_prompts(cell, num_prompts)]
-            rows.append(_large_row(simulate, name, mode, _cell_label(cell), large, timeout))
+            what = _cell_label(cell)
+            rows.append(_large_row(simulate, name, mode, what, large, timeout, fingerprints))
     return rows
 
 
@@ -408,6 +466,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=30.0,
         help="seconds before a large cell (or study) is abandoned (default 30; 0: none)",
     )
+    parser.add_argument(
+        "--fingerprints",
+        type=Path,
+        help="write a SHA-256 of each simulated cell's records to this JSON file",
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.large < 1:
         parser.error("--repeat and --large must be >= 1")
@@ -444,18 +507,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     simulate = imports.simulate
 
     print("\n".join(header_lines(Machine.current(), imports, args.config)), flush=True)
-    warmup = _timed_passes(simulate, f"{whole_label}, first pass (cold)", distinct, 1)
+    fingerprints: Fingerprints | None = None if args.fingerprints is None else {}
+    warmup = _timed_passes(simulate, f"{whole_label}, first pass (cold)", distinct, 1, fingerprints)
     per_study = [
         _timed_passes(simulate, name, cells, args.repeat) for name, cells in studies.items()
     ]
     whole = _timed_passes(simulate, f"{whole_label} (steady)", distinct, args.repeat)
     print()
     print(configured_table(warmup, per_study, whole, not args.studies), flush=True)
-    if args.quick:
-        return 0
-    rows = measure_large(simulate, studies, args.large, args.large_scope, args.cell_timeout)
-    print()
-    print(large_table(rows, args.large, args.large_scope, args.cell_timeout))
+    if not args.quick:
+        rows = measure_large(
+            simulate, studies, args.large, args.large_scope, args.cell_timeout, fingerprints
+        )
+        print()
+        print(large_table(rows, args.large, args.large_scope, args.cell_timeout))
+    if fingerprints is not None:
+        args.fingerprints.write_text(json.dumps(fingerprints, indent=1, sort_keys=True) + "\n")
+        print(f"\nfingerprints of {len(fingerprints)} cells: {args.fingerprints}")
     return 0
 
 
