@@ -129,3 +129,28 @@ def test_a_v1_request_pays_the_api_path_before_its_first_token() -> None:
     api_s = (V1_HOST_COST.request_ms + V1_HOST_COST.request_latency_ms) * 1e-3
     assert _ttft_s("v1") > api_s
     assert _ttft_s("v1") - _ttft_s("v0") == pytest.approx(api_s, abs=0.006)
+
+
+def test_a_request_aborted_in_the_api_servers_inbox_never_runs() -> None:
+    """A client that leaves while its request waits for the API server's hand-over: the request
+    is dropped there (it never reaches the scheduler); the others are served."""
+    setup = build_engine_setup(
+        "qwen2.5-7b",
+        quantization="bf16",
+        tensor_parallel=1,
+        recipe="v1",
+        chunked_prefill=None,
+        max_model_len=4096,
+        gpu_memory_utilization=0.9,
+        jitter_cv=0.0,
+    )
+    instance = setup.instance(0)
+    requests = [Request(k, 16, 3) for k in range(3)]
+    for request in requests:
+        instance.add_request(request)
+    instance.abort(requests[1])
+    served: set[int] = set()
+    while instance.has_work():
+        served |= {r.request_id for r in instance.step().finished}
+    assert served == {0, 2}
+    assert requests[1].num_computed == 0 and requests[1].num_generated == 0

@@ -214,7 +214,7 @@ class WallClockEngine:
             if stream.finished:
                 continue
             if self._streams.pop(stream.request.request_id, None) is not None:
-                self.instance.scheduler.abort(stream.request)
+                self.instance.abort(stream.request)
             else:  # still queued for admission
                 self._arrivals.remove(stream)
             stream.finished = True

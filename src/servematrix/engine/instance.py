@@ -155,6 +155,16 @@ class EngineInstance:
             self.scheduler.check(request)
             self._inbox.append(request)
 
+    def abort(self, request: Request) -> None:
+        """Drop a request whose client went away: from the API server's inbox if it is still
+        there (work spent on it is lost), else from the scheduler, freeing its blocks."""
+        if request in self._inbox:
+            if self._inbox[0] is request:
+                self._inbox_done_ms = 0.0
+            self._inbox.remove(request)
+        else:
+            self.scheduler.abort(request)
+
     def has_work(self) -> bool:
         scheduler = self.scheduler
         return bool(scheduler.running or scheduler.waiting or self._inbox)
