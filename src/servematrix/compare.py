@@ -36,10 +36,9 @@ from servematrix.figures import (
     X_AXES,
     Panel,
     latency_panels,
+    panel_axes,
     save_figure,
     series_order,
-    use_log_x,
-    use_log_y,
 )
 from servematrix.files import atomic_path, write_text
 
@@ -452,27 +451,14 @@ def comparison_figure(
 
 
 def _panel(data: pl.DataFrame, panel: Panel, x: str, names: list[str]) -> alt.Chart:
-    x_values = sorted(data[x].unique().to_list())
-    log_x = use_log_x(x_values)
-    log_y = use_log_y(data[panel.column].to_list())
+    x_axis, y_axis = panel_axes(data, panel, x)
     legend = alt.Legend(title="Backend", symbolType="stroke", symbolStrokeWidth=3)
     return (
         alt.Chart(data, title=panel.title, width=PANEL_WIDTH, height=PANEL_HEIGHT)
         .mark_line(point=True)
         .encode(
-            x=alt.X(
-                f"{x}:Q",
-                title=X_AXES[x] + (" — log scale" if log_x else ""),
-                scale=alt.Scale(
-                    type="log" if log_x else "linear", zero=False, nice=False, padding=10
-                ),
-                axis=alt.Axis(values=x_values, format="~f"),
-            ),
-            y=alt.Y(
-                f"{panel.column}:Q",
-                title=panel.y_title + (" — log scale" if log_y else ""),
-                scale=alt.Scale(type="log") if log_y else alt.Scale(zero=True),
-            ),
+            x=x_axis,
+            y=y_axis,
             color=alt.Color(
                 "source:N",
                 scale=alt.Scale(domain=names, range=["#1f77b4", "#ff7f0e"]),

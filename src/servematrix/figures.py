@@ -130,35 +130,37 @@ def use_log_y(values: list[float]) -> bool:
     return max(finite) / min(finite) >= LOG_Y_RATIO
 
 
+def panel_axes(data: pl.DataFrame, panel: Panel, x: str) -> tuple[alt.X, alt.Y]:
+    """The x axis (the study's x values as ticks, log when they span a decade or more) and the
+    y axis (log when the panel's lines differ by LOG_Y_RATIO or more) of one panel."""
+    x_values = sorted(data[x].unique().to_list())
+    log_x = use_log_x(x_values)
+    log_y = use_log_y(data[panel.column].to_list())
+    x_axis = alt.X(
+        f"{x}:Q",
+        title=X_AXES[x] + (" — log scale" if log_x else ""),
+        scale=alt.Scale(type="log" if log_x else "linear", zero=False, nice=False, padding=10),
+        axis=alt.Axis(values=x_values, format="~f"),
+    )
+    y_axis = alt.Y(
+        f"{panel.column}:Q",
+        title=panel.y_title + (" — log scale" if log_y else ""),
+        scale=alt.Scale(type="log") if log_y else alt.Scale(zero=True),
+    )
+    return x_axis, y_axis
+
+
 def _panel_chart(
     data: pl.DataFrame, panel: Panel, x: str, layout: Layout, order: list[str]
 ) -> alt.Chart:
-    x_values = sorted(data[x].unique().to_list())
-    log = use_log_x(x_values)
-    log_y = use_log_y(data[panel.column].to_list())
+    x_axis, y_axis = panel_axes(data, panel, x)
     legend = alt.Legend(title=layout.series.capitalize(), symbolType="stroke", symbolStrokeWidth=3)
     return (
-        alt.Chart(
-            data,
-            title=panel.title,
-            width=PANEL_WIDTH,
-            height=PANEL_HEIGHT,
-        )
+        alt.Chart(data, title=panel.title, width=PANEL_WIDTH, height=PANEL_HEIGHT)
         .mark_line(point=True)
         .encode(
-            x=alt.X(
-                f"{x}:Q",
-                title=X_AXES[x] + (" — log scale" if log else ""),
-                scale=alt.Scale(
-                    type="log" if log else "linear", zero=False, nice=False, padding=10
-                ),
-                axis=alt.Axis(values=x_values, format="~f"),
-            ),
-            y=alt.Y(
-                f"{panel.column}:Q",
-                title=panel.y_title + (" — log scale" if log_y else ""),
-                scale=alt.Scale(type="log") if log_y else alt.Scale(zero=True),
-            ),
+            x=x_axis,
+            y=y_axis,
             color=alt.Color(f"{layout.series}:N", sort=order, legend=legend),
             tooltip=[
                 alt.Tooltip(f"{layout.series}:N"),
