@@ -350,3 +350,11 @@ def test_the_worked_example_of_the_readme_checks(capsys, monkeypatch):
     readme = (ROOT / "README.md").read_text()
     assert "servematrix check config/examples/my-model.yaml" in readme
     assert "snakemake --cores 1 all --configfile config/examples/my-model.yaml" in readme
+
+
+def test_the_emulator_example_of_the_readme_checks(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["check", "config/examples/emulator-mooncake.yaml"]) == 0
+    assert "32 distinct cells on backend emulator" in capsys.readouterr().out
+    readme = (ROOT / "README.md").read_text()
+    assert "--configfile config/examples/emulator-mooncake.yaml" in readme
