@@ -46,12 +46,15 @@ def cell_priority(wildcards):
 
 
 rule cell:
+    input:
+        get_cell_dataset,
     output:
         f"results/{{backend}}/cells/{CELL_PATTERN}.parquet",
     log:
         f"results/{{backend}}/logs/{CELL_PATTERN}.log",
     params:
         cell=get_cell,
+        identity=get_cell_identity,
     priority: cell_priority
     group: cell_group
     resources:

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from servematrix import config as sb_config
+from servematrix.identity import cell_identity
 from servematrix.workflow import fail_on_config_error, predicted_config, workflow_config
 
 # Snakemake's own `config` is not used: the workflow re-reads the config file (the
@@ -94,12 +95,32 @@ def config_of(backend):
     return PREDICTED if PREDICTED is not None and backend == PREDICTED.backend else SB
 
 
+def cell_path_of(wildcards):
+    """The trace a cell job writes, from its wildcards."""
+    cell = CELL_PATTERN.format(**dict(wildcards.items()))
+    return f"results/{wildcards.backend}/cells/{cell}.parquet"
+
+
 def get_cell(wildcards, output):
-    """The resolved cell behind a trace path (JSON, so a changed setting reruns the cell)."""
+    """The resolved cell behind a trace path, as JSON: what the job runs. Derived from the
+    output path, so Snakemake does not compare it; `get_cell_identity` is what it compares."""
     with fail_on_config_error():
         return json.dumps(
             config_of(wildcards.backend).cell_at(output[0]).to_dict(), sort_keys=True
         )
+
+
+def get_cell_identity(wildcards):
+    """Every input of the cell's result (servematrix.identity), compared by Snakemake with the
+    last run's: a changed setting reruns exactly the cells it changes."""
+    with fail_on_config_error():
+        return cell_identity(config_of(wildcards.backend).cell_at(cell_path_of(wildcards)))
+
+
+def get_cell_dataset(wildcards):
+    """The dataset file a cell reads (sonnet, jsonl), as an input: none for random prompts."""
+    path = config_of(wildcards.backend).cell_at(cell_path_of(wildcards)).workload.dataset_path
+    return [path] if path else []
 
 
 def get_study_traces(wildcards):
