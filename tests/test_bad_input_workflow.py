@@ -17,6 +17,7 @@ import polars as pl
 import pytest
 import yaml
 
+from servematrix import trace
 from tests.conftest import ROOT, SMALL_CONFIG
 from tests.test_bad_input import ROWS, TEXT_ROWS, broken_text, config_text, expected_text_line
 from tests.workflow_helpers import copy_workflow, planned_jobs, snakemake
@@ -147,3 +148,22 @@ def test_the_worked_example_runs(tmp_path):
     assert [p.parent.relative_to(workdir).as_posix() for p in cells] == [
         "results/simulator/cells/v1/my-llama-1b/single"
     ] * 2
+
+
+def test_the_worked_example_runs_on_the_emulator(tmp_path, monkeypatch):
+    """The same example with `--config backend=emulator`: the emulator is told the config's
+    architecture (its hf_id is in no cache here, and the Hub is not asked)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    workdir = copy_workflow(tmp_path, yaml.safe_load((ROOT / "config" / "config.yaml").read_text()))
+    shutil.copytree(ROOT / "config" / "examples", workdir / "config" / "examples")
+    example = ("--configfile", "config/examples/my-model.yaml", "--config", "backend=emulator")
+    run = snakemake(workdir, "--cores", "1", "all", *example)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = pl.read_parquet(workdir / "results" / "emulator" / "summary" / "my-model.parquet")
+    assert summary["completed"].to_list() == [50, 50]
+    cell = next((workdir / "results" / "emulator" / "cells").rglob("*.parquet"))
+    argv = trace.read_metadata(cell)["deployment"]["processes"][0]["argv"]
+    arch = str(workdir / "config" / "examples" / "my-model" / "config.json")
+    assert argv[argv.index("--architecture") + 1] == arch
+    assert argv[argv.index("--modelled-quantization") + 1] == "bf16"
+    assert (workdir / "results" / "emulator" / "compare" / "my-model" / "ratios.csv").is_file()

@@ -211,7 +211,10 @@ def test_emulator_replaces_only_the_executable(default_config):
             tail = b.argv[2 : 2 + len(a.argv) - skip]
             assert tail == a.argv[skip:]
             extra = b.argv[2 + len(a.argv) - skip :]
-            assert extra == ("--gpu", "A100-SXM4-80GB", "--recipe", recipe, "--seed", "0")
+            assert extra == (
+                *("--gpu", "A100-SXM4-80GB", "--recipe", recipe, "--seed", "0"),
+                *("--architecture", "qwen2.5-72b", "--modelled-quantization", "bf16"),
+            )
 
 
 def test_fingerprint_follows_the_command_lines(default_config):

@@ -21,6 +21,7 @@ from servematrix.engine.admission import ContextLengthError, granted_max_tokens
 from servematrix.engine.architecture import ARCHITECTURES_DIR
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import build_engine_setup
+from tests.conftest import ROOT
 
 
 def test_every_vllm_serve_flag_the_recipes_use_is_accepted():
@@ -104,6 +105,21 @@ def test_models_by_config_hf_id_architecture_and_directory(tmp_path, monkeypatch
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelError, match=r"unknown model 'no/such-model'"):
         resolve_model("no/such-model", None)
+
+
+def test_an_architecture_flag_wins_over_the_model_id(monkeypatch):
+    """What a workflow deployment passes: the config's architecture, loaded as the simulator
+    loads it, whatever the served id (here one in no cache, with the Hub off)."""
+    from servematrix.engine.architecture import load_architecture
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = str(ROOT / "config" / "examples" / "my-model" / "config.json")
+    model = resolve_model("meta-llama/Llama-3.2-1B-Instruct", None, example, "gptq-int8")
+    assert model.arch == load_architecture(example)
+    assert (model.quantization, model.max_position_embeddings) == ("gptq-int8", 131072)
+    assert resolve_model("x/y", "awq", "qwen2.5-7b").quantization == "awq"
+    with pytest.raises(ModelError, match=r"--architecture 'no/such\.json': no such file"):
+        resolve_model("x/y", None, "no/such.json")
 
 
 def test_unshipped_architecture_gets_the_roofline(tmp_path):

@@ -132,9 +132,18 @@ V1 = Recipe(
 
 RECIPES: dict[str, Recipe] = {"v0": V0, "v1": V1}
 
-EMULATOR_FLAGS = ("--gpu", "--recipe", "--seed", "--jitter-cv", "--straggler-probability")
-"""Appended for backend ``emulator`` only (see :func:`emulator_flags`); the emulator finds the
-architecture and quantization from the model id, as vLLM does from the checkpoint."""
+EMULATOR_FLAGS = (
+    "--gpu",
+    "--recipe",
+    "--seed",
+    "--architecture",
+    "--modelled-quantization",
+    "--jitter-cv",
+    "--straggler-probability",
+)
+"""Appended for backend ``emulator`` only (see :func:`emulator_flags`): what vLLM learns from
+the GPU and the checkpoint, told to the emulator (the config's architecture, so a model of
+one's own is served as the simulator models it, not resolved from its ``hf_id``)."""
 
 DEFAULT_PORTS = {
     "proxy": 8090,
@@ -317,6 +326,16 @@ def _number(value: float) -> str:
     return f"{value:g}"
 
 
+def _architecture_argument(architecture: str) -> str:
+    """A shipped name as is; a local file or a Hub id as its config.json's absolute path
+    (the emulator runs in the deployment's directory, and needs no Hub look-up)."""
+    from servematrix.engine.architecture import resolve_config_json, shipped
+
+    if architecture in shipped():
+        return architecture
+    return str(resolve_config_json(architecture).resolve())
+
+
 def emulator_flags(cell: Cell) -> list[str]:
     """What vLLM learns from the host (the GPU) or its own defaults, told to the emulator."""
     engine = dict(cell.engine)
@@ -327,6 +346,10 @@ def emulator_flags(cell: Cell) -> list[str]:
         cell.recipe,
         "--seed",
         str(cell.workload.seed),
+        "--architecture",
+        _architecture_argument(cell.model.architecture),
+        "--modelled-quantization",
+        cell.model.quantization,
     ]
     for key in ("jitter_cv", "straggler_probability"):
         if key in engine:

@@ -38,6 +38,7 @@ from servematrix.engine.setup import (
 from servematrix.workload import TokenCounter
 
 PROG = "servematrix-emulator"
+MODELLED_QUANTIZATIONS = ("bf16", "awq", "gptq-int4", "gptq-int8", "fp8")
 SHUTDOWN_GRACE_S = 1.0
 NODE_GPUS = 8
 """GPUs of the modelled node when ``CUDA_VISIBLE_DEVICES`` is unset (the studies' 8-GPU hosts)."""
@@ -113,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     emu = parser.add_argument_group("emulator flags (or SERVEMATRIX_EMULATOR_* variables)")
     emu.add_argument("--gpu", default=_env("GPU", DEFAULT_GPU), help="modelled GPU")
     emu.add_argument("--recipe", choices=("v0", "v1"), default=_env("RECIPE", "v1"))
+    emu.add_argument(
+        "--architecture",
+        default=_env("ARCHITECTURE"),
+        help="the model's config.json (or a shipped name, a Hub id) to model, instead of "
+        "resolving MODEL; a workflow deployment passes its config's architecture",
+    )
+    emu.add_argument(
+        "--modelled-quantization",
+        choices=MODELLED_QUANTIZATIONS,
+        default=_env("MODELLED_QUANTIZATION"),
+        help="the weights' quantization, with --architecture (default: from --quantization)",
+    )
     emu.add_argument("--startup-delay-s", type=float, default=float(_env("STARTUP_DELAY_S", "0")))
     emu.add_argument(
         "--jitter-cv", type=float, default=float(_env("JITTER_CV", str(DEFAULT_JITTER_CV)))
@@ -334,7 +347,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         check_visible_gpus(args.tensor_parallel_size)
         kv_role = check_kv_transfer_config(args.kv_transfer_config, args.recipe)
-        model = resolve_model(args.model, args.quantization)
+        model = resolve_model(
+            args.model, args.quantization, args.architecture, args.modelled_quantization
+        )
         max_model_len = _max_model_len(args, model)
         setup = engine_setup(args, model, max_model_len)
     except (StartupError, ModelError) as error:

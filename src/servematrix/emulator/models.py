@@ -42,18 +42,22 @@ class ModelInfo:
     max_position_embeddings: int | None
 
 
-def resolve_model(model: str, quantization_flag: str | None) -> ModelInfo:
-    """The architecture and quantization ``model`` stands for. A model's own quantization (the
-    config.yaml entry, a ``quantization_config``) wins over ``--quantization``."""
+def resolve_model(
+    model: str,
+    quantization_flag: str | None,
+    architecture: str | None = None,
+    quantization: str | None = None,
+) -> ModelInfo:
+    """The architecture and quantization ``model`` stands for. ``architecture`` (the
+    ``--architecture`` a workflow deployment passes: its config's model, as the simulator reads
+    it) wins over the model id; else a model of ``config/config.yaml`` named by its name or
+    ``hf_id``; else whatever the id resolves to. A model's own quantization (``quantization``,
+    the config.yaml entry, a ``quantization_config``) wins over ``--quantization``."""
+    if architecture is not None:
+        return _described(architecture, quantization or _flag_quantization(quantization_flag))
     for name, spec in _config_models().items():
         if model in (name, spec.get("hf_id")):
-            path = resolve_config_json(spec["architecture"])
-            config = json.loads(path.read_text())
-            return ModelInfo(
-                load_architecture(spec["architecture"]),
-                spec["quantization"],
-                config.get("max_position_embeddings"),
-            )
+            return _described(spec["architecture"], spec["quantization"])
     try:
         path = resolve_config_json(model)
         config = json.loads(path.read_text())
@@ -65,6 +69,18 @@ def resolve_model(model: str, quantization_flag: str | None) -> ModelInfo:
         ) from None
     quantization = _config_quantization(config) or _flag_quantization(quantization_flag)
     return ModelInfo(arch, quantization, config.get("max_position_embeddings"))
+
+
+def _described(architecture: str, quantization: str) -> ModelInfo:
+    """A model given by its architecture (a shipped name, a config.json, a Hub id), loaded
+    exactly as the simulator loads a config's ``architecture``."""
+    try:
+        config = json.loads(resolve_config_json(architecture).read_text())
+        return ModelInfo(
+            load_architecture(architecture), quantization, config.get("max_position_embeddings")
+        )
+    except (ArchitectureError, OSError, ValueError) as error:
+        raise ModelError(f"--architecture {architecture!r}: {error}") from None
 
 
 def _label(model: str, path: Path) -> str:
