@@ -15,18 +15,17 @@ if _SRC.is_dir() and str(_SRC) not in sys.path:
 
 from servematrix.cell import CellError, run_cell  # noqa: E402
 from servematrix.config import Cell  # noqa: E402
-from servematrix.workflow import log_to  # noqa: E402
+from servematrix.workflow import interruption, log_to  # noqa: E402
 
 logger = log_to(snakemake.log[0])
 cell = Cell.from_dict(json.loads(snakemake.params.cell))
 try:
     run_cell(cell, snakemake.output[0])
 except CellError as error:
-    # One clear message (with the failing process's log tail), not a traceback.
-    logger.error("cell %s failed: %s", cell.path, error)
-    print(f"servematrix: cell {cell.path}: {error}", file=sys.stderr, flush=True)
+    # One clear message (with the failing process's log tail), not a traceback; the job's
+    # log and the terminal both get it (servematrix.workflow.log_to).
+    logger.error("cell %s: %s", cell.path, error)
     sys.exit(1)
 except KeyboardInterrupt as stop:
-    logger.error("cell %s interrupted (%s); its deployment was stopped", cell.path, stop)
-    print(f"servematrix: cell {cell.path} interrupted: {stop}", file=sys.stderr, flush=True)
+    logger.error("cell %s interrupted (%s); nothing was written", cell.path, interruption(stop))
     sys.exit(130)

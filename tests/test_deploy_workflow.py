@@ -241,18 +241,17 @@ def _assert_failed(result, workdir, cfg, cell_path, *messages: str) -> None:
 
 def test_a_server_that_dies_at_start_up(tmp_path):
     cfg = _config(["single"], [4])
-    # A model id the server cannot resolve offline: it exits at start, as vLLM would.
-    cfg["models"][MODEL]["hf_id"] = "servematrix-test/no-such-model"
     workdir = copy_workflow(tmp_path, cfg)
     cell = config.load(cfg).all_cells()[0].path
-    result = _snakemake(workdir, cell, env={"HF_HUB_OFFLINE": "1"})
+    # A setting the server refuses: it exits at start (argparse's status 2), as vLLM would.
+    result = _snakemake(workdir, cell, env={"SERVEMATRIX_EMULATOR_FAIL_FRACTION": "2"})
     _assert_failed(
         result,
         workdir,
         cfg,
         cell,
-        "single exited with code 1 during start-up",
-        "servematrix-test/no-such-model",
+        "single exited with code 2 during start-up",
+        "--fail-fraction and --drop-fraction must be in [0, 1]",
     )
 
 
@@ -415,6 +414,29 @@ def test_backend_external_measures_a_running_server_and_starts_nothing(tmp_path)
     finally:
         server.terminate()
         server.wait()
+
+
+def test_backend_external_on_a_closed_port_says_what_it_waits_for(tmp_path):
+    """At once, on the terminal: what is waited for, where and how long; a port that refuses
+    every connection ends the cell after deploy.refused_timeout_s, not startup_timeout_s."""
+    port = _free_base() + 10
+    cfg = _config(["single"], [4], refused_timeout_s=3)
+    cfg.update(backend="external", base_url=f"http://127.0.0.1:{port}/v1")
+    workdir = copy_workflow(tmp_path, cfg)
+    cell = config.load(cfg).all_cells()[0].path
+    started = time.monotonic()
+    result = _snakemake(workdir, cell)
+    assert result.returncode != 0 and time.monotonic() - started < 60
+    lines = [line for line in result.stderr.splitlines() if line.startswith("servematrix:")]
+    url = f"http://127.0.0.1:{port}"
+    assert lines[0] == (
+        f"servematrix: waiting up to 120 s (3 s if its port refuses connections) for GET "
+        f"{url}/health to answer"
+    )
+    assert lines[1].startswith(
+        f"servematrix: cell {cell}: nothing listens at {url}: every connection refused for 3 s"
+    )
+    assert not (workdir / cell).exists()
 
 
 def test_backend_vllm_checks_the_pins_against_nvidia_smi(tmp_path):

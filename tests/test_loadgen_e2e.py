@@ -209,7 +209,7 @@ def _bench_against(url: str, tmp_path: Path, *extra: str) -> subprocess.Complete
     return done
 
 
-def test_a_socket_that_never_answers_is_one_line_and_no_trace(tmp_path):
+def test_a_socket_that_never_answers_is_one_error_line_and_no_trace(tmp_path):
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen(16)  # accepted by the kernel, never read, never answered
@@ -217,20 +217,78 @@ def test_a_socket_that_never_answers_is_one_line_and_no_trace(tmp_path):
         started = time.monotonic()
         done = _bench_against(url, tmp_path, "--ready-timeout-s", "2")
         took = time.monotonic() - started
-    assert done.returncode == 1 and done.stderr.count("\n") == 1
-    assert done.stderr.startswith(
-        f"servematrix bench: server at {url} never became ready within 2 s"
+    waiting, error = _wait_and_error(done)
+    assert waiting.endswith(
+        f"waiting up to 2 s (30 s if its port refuses connections) for GET {url}/health to answer"
     )
-    assert "no answer" in done.stderr
+    assert error.startswith(f"servematrix bench: server at {url} never became ready within 2 s")
+    assert "no answer" in error
     assert took < 60
 
 
-def test_a_port_with_nothing_is_one_line_and_no_trace(tmp_path):
+def test_a_port_with_nothing_is_one_error_line_and_no_trace(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     done = _bench_against(url, tmp_path, "--ready-timeout-s", "1")
-    assert done.returncode == 1 and done.stderr.count("\n") == 1
-    assert f"server at {url} never became ready within 1 s" in done.stderr
-    assert "ConnectionRefusedError" in done.stderr  # the last probe's failure is named
+    _, error = _wait_and_error(done)
+    assert f"server at {url} never became ready within 1 s" in error
+    assert "ConnectionRefusedError" in error  # the last probe's failure is named
+
+
+def test_a_closed_port_is_given_up_after_the_refused_timeout(tmp_path):
+    """What is waited for, where and how long at once, then every 15 s; a port that refuses
+    every connection ends the wait after --refused-timeout-s, not the 600 s of a load."""
+    url = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    done = _bench_against(url, tmp_path, "--refused-timeout-s", "17")
+    took = time.monotonic() - started
+    lines = [
+        line.split(" ", 2)[2] if line[:2] == "20" else line for line in done.stderr.splitlines()
+    ]
+    assert done.returncode == 1 and 17 <= took < 40
+    sooner = "(17 s if its port refuses connections)"
+    assert lines[0] == f"waiting up to 600 s {sooner} for GET {url}/health to answer"
+    assert lines[1].startswith(
+        f"still waiting for {url}/health: 15 s of 600 s (last probe: ConnectionRefusedError"
+    )
+    assert lines[2].startswith(
+        f"servematrix bench: nothing listens at {url}: every connection refused for 17 s"
+    )
+    assert len(lines) == 3
+
+
+def _wait_and_error(done: subprocess.CompletedProcess) -> tuple[str, str]:
+    """A bench that could not start: the line of what it waited for, then one error line."""
+    lines = done.stderr.splitlines()
+    assert done.returncode == 1 and len(lines) == 2, done.stderr
+    return lines[0], lines[1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "bench_flags", "status", "last"),
+    [
+        ((), (), 0, ": 6 requests, 0 failed"),
+        (("--fail-fraction", "0.5"), (), 3, ": the run partly failed (first error: HTTP 500"),
+        (
+            ("--max-model-len", "512"),
+            ("--input-len", "600"),
+            1,
+            ": every request failed (first error: HTTP 400",
+        ),
+        (("--die-after-requests", "3"), (), 1, "stopped answering (first error: connection error"),
+    ],
+    ids=["all ok", "partly failed", "all failed", "server died"],
+)
+def test_bench_exit_status_says_how_the_run_went(tmp_path, flags, bench_flags, status, last):
+    output = tmp_path / "trace.parquet"
+    with emulator(*flags) as url:
+        done = bench(
+            *["--base-url", url, "--model", MODEL, "--num-prompts", "6", "--qps", "4"],
+            *["--burstiness", "inf", "--output-len", "3", "--input-len", "100", *bench_flags],
+            *["-o", str(output)],
+        )
+    assert done.returncode == status, done.stderr
+    assert last in done.stderr.splitlines()[-1]
+    assert output.is_file()  # the run ended: its rows say what failed
 
 
 def test_jsonl_lengths_per_request_and_a_wrong_model_name(tmp_path):
@@ -256,8 +314,8 @@ def test_jsonl_lengths_per_request_and_a_wrong_model_name(tmp_path):
     assert [r["prompt_tokens"] for r in rows] == [50, 700, 123, 50, 700, 123, 50]
     assert [r["completion_tokens"] for r in rows] == [2, 7, 1, 2, 7, 1, 2]
     assert [r["request_output_len"] for r in rows] == [2, 7, 1, 2, 7, 1, 2]
-    assert refused.returncode == 1 and refused.stderr.count("\n") == 1
-    assert f"does not serve model 'other/model' (it serves: {MODEL})" in refused.stderr
+    _, error = _wait_and_error(refused)
+    assert f"does not serve model 'other/model' (it serves: {MODEL})" in error
     assert not wrong.exists()
 
 

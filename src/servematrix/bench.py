@@ -38,13 +38,43 @@ from servematrix.engine.architecture import architecture_dir, shipped
 from servematrix.trace import CellIdentity
 from servematrix.workload import TokenCounter, WorkloadError, build_requests
 
+EXIT_OK = 0
+EXIT_FAILED = 1
+"""Nothing measured: bad flags, no server, every request failed, or the server stopped
+answering during the run."""
+EXIT_PARTLY_FAILED = 3
+"""The trace is written, but some requests failed (their rows say why)."""
+EXIT_INTERRUPTED = 130
+
 CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "config.yaml"
 DEFAULT_VOCAB_SIZE = 32000  # Llama-2's; Qwen2.5 (151k+) and Command R (256k) have more
 DATASETS = ("random", "sonnet", "jsonl")
+REFUSED_TIMEOUT_S = 30.0
 
 
 class BenchError(ValueError):
     """A flag that makes no sense, named."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default (where it has one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+EPILOG = f"""\
+Defaults are vLLM's benchmark client's (`vllm bench serve`: 1000 prompts of 1024 input and 128
+output tokens). The workflow's cells use the config's defaults instead (200 prompts of 6 output
+tokens, config/config.yaml); pass --num-prompts 200 --output-len 6 to measure the same workload.
+
+Exit status: {EXIT_OK} every request succeeded; {EXIT_PARTLY_FAILED} the trace is written but some
+requests failed (the last line says how many); {EXIT_FAILED} nothing was measured: a bad flag, no
+server, every request failed, or the server stopped answering during the run (a trace is written
+when requests ran); 2 a flag argparse refuses; {EXIT_INTERRUPTED} interrupted (no trace).
+"""
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -52,26 +82,45 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "bench",
         help="measure a running OpenAI-compatible server and write a trace",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+        formatter_class=_HelpFormatter,
     )
     bench.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (/v1 added)")
     bench.add_argument("--model", required=True, help="model name as the server serves it")
     bench.add_argument("-o", "--output", required=True, type=Path, help="trace (.parquet)")
     bench.add_argument("--qps", type=float, default=math.inf, help="request rate; inf: all at 0")
-    bench.add_argument("--input-len", type=int, default=1024)
-    bench.add_argument("--output-len", type=int, default=128)
-    bench.add_argument("--num-prompts", type=int, default=1000)
+    bench.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random)")
+    bench.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
+    bench.add_argument("--num-prompts", type=int, default=1000, help="measured requests")
     bench.add_argument("--max-concurrency", type=int, help="at most N requests in flight")
-    bench.add_argument("--dataset", choices=DATASETS, default="random")
+    bench.add_argument("--dataset", choices=DATASETS, default="random", help="prompt source")
     bench.add_argument("--dataset-path", help="sonnet text file or jsonl file")
     bench.add_argument("--prefix-len", type=int, default=0, help="sonnet shared prefix (tokens)")
     bench.add_argument("--range-ratio", type=float, default=0.0, help="random length spread")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0, help="arrivals and prompts")
     bench.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; inf: constant")
-    bench.add_argument("--warmup-requests", type=int, default=1)
-    bench.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    bench.add_argument("--request-timeout-s", type=float, default=600.0)
-    bench.add_argument("--ready-timeout-s", type=float, default=600.0)
+    bench.add_argument(
+        "--warmup-requests", type=int, default=1, help="unmeasured, one at a time, first"
+    )
+    bench.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every request generates its max_tokens",
+    )
+    bench.add_argument("--request-timeout-s", type=float, default=600.0, help="per request")
+    bench.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=600.0,
+        help="longest wait for the server to answer GET /health (or /v1/models)",
+    )
+    bench.add_argument(
+        "--refused-timeout-s",
+        type=float,
+        default=REFUSED_TIMEOUT_S,
+        help="give up sooner when its port refuses every connection this long",
+    )
     bench.add_argument(
         "--client", choices=("aiohttp", "openai"), default="aiohttp", help="see loadgen.CLIENTS"
     )
@@ -95,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
             ready_timeout_s=args.ready_timeout_s,
             ignore_eos=args.ignore_eos,
             client=args.client,
+            refused_timeout_s=args.refused_timeout_s,
         )
         vocab_size, vocab_source = vocab_size_for(args.model, args.vocab_size)
         counter = None
@@ -121,16 +171,42 @@ def run(args: argparse.Namespace) -> int:
             raise BenchError(f"cannot write the trace {args.output}: {error}") from None
     except (BenchError, LoadgenError, WorkloadError) as error:
         print(f"servematrix bench: {error}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("servematrix bench: interrupted; no trace written", file=sys.stderr)
-        return 130
-    failed = sum(not r.success for r in result.records if not r.warmup)
-    print(
-        f"{args.output}: {workload.num_prompts} requests, {failed} failed",
-        file=sys.stderr,
-    )
-    return 0
+        return EXIT_INTERRUPTED
+    line, status = outcome(args.output, result.records, settings.server_root)
+    print(line, file=sys.stderr)
+    return status
+
+
+def outcome(output: Path, records: list, server_root: str) -> tuple[str, int]:
+    """The run's last line and exit status (see EPILOG)."""
+    measured = [r for r in records if not r.warmup]
+    failed = [r for r in measured if not r.success]
+    summary = f"{output}: {len(measured)} requests, {len(failed)} failed"
+    if not failed:
+        return summary, EXIT_OK
+    first = f"first error: {failed[0].error}"
+    if not _answers(f"{server_root}/health"):
+        return f"{summary}; the server at {server_root} stopped answering ({first})", EXIT_FAILED
+    if len(failed) == len(measured):
+        return f"{summary}: every request failed ({first})", EXIT_FAILED
+    return f"{summary}: the run partly failed ({first})", EXIT_PARTLY_FAILED
+
+
+def _answers(url: str) -> bool:
+    """Whether anything answers HTTP at ``url`` (any status: only a dead server does not)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def _check_output(output: Path) -> None:

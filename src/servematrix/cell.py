@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 AVAILABLE_BACKENDS = ("simulator", "emulator", "vllm", "external")
+EXTERNAL_REFUSED_TIMEOUT_S = 30.0
+"""The schema's default of ``deploy.refused_timeout_s``."""
 
 
 class CellError(RuntimeError):
@@ -96,6 +98,12 @@ def _measure(cell: Cell, base_url: str) -> tuple[list[RequestRecord], dict[str, 
         max_concurrency=w.max_concurrency,
         ignore_eos=w.ignore_eos,
         ready_timeout_s=float(cell.deploy.get("startup_timeout_s", 600.0)),
+        # A server the user runs (external) refuses connections only when it is not there.
+        refused_timeout_s=(
+            float(cell.deploy.get("refused_timeout_s", EXTERNAL_REFUSED_TIMEOUT_S))
+            if cell.backend == "external"
+            else None
+        ),
     )
     result = loadgen.run(settings, _requests(cell))
     clock = {"origin_monotonic_s": result.origin_monotonic_s}

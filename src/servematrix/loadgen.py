@@ -40,6 +40,7 @@ import asyncio
 import gc
 import json
 import logging
+import math
 import os
 import resource
 import secrets
@@ -57,6 +58,7 @@ import openai
 from openai import AsyncOpenAI, AsyncStream
 from openai.types import Completion
 
+from servematrix.progress import TERMINAL, WAIT_REPORT_S
 from servematrix.trace import RequestRecord
 
 if TYPE_CHECKING:
@@ -125,6 +127,10 @@ class ClientSettings:
     ready_timeout_s: float = 600.0
     ignore_eos: bool = True
     client: str = "aiohttp"  # or "openai": see CLIENTS
+    refused_timeout_s: float | None = None
+    """Give up sooner when the port has refused every connection this long (a server the
+    user says is running); None waits ``ready_timeout_s`` (a server still loading its model
+    refuses until it listens)."""
 
     def __post_init__(self) -> None:
         self.base_url = normalize_base_url(self.base_url)
@@ -134,9 +140,9 @@ class ClientSettings:
             raise LoadgenError("model name is empty")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise LoadgenError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
-        for name in ("request_timeout_s", "ready_timeout_s"):
+        for name in ("request_timeout_s", "ready_timeout_s", "refused_timeout_s"):
             value = getattr(self, name)
-            if not value > 0:
+            if value is not None and not value > 0:
                 raise LoadgenError(f"{name} must be > 0, got {value}")
 
     @property
@@ -526,23 +532,39 @@ def _raise_file_limit(needed: int) -> None:
 async def wait_ready(settings: ClientSettings, session: aiohttp.ClientSession | None = None) -> str:
     """Poll ``GET /health`` (else ``GET /v1/models``) until it answers 200; return that URL.
 
-    Raises LoadgenError naming the URL when ``ready_timeout_s`` passes first, or when the
-    server lists its models and ours is not among them (every request would fail with 404).
+    Says at once what it waits for, where and for how long, then every ``WAIT_REPORT_S``.
+    Raises LoadgenError naming the URL when ``ready_timeout_s`` passes first (or
+    ``refused_timeout_s`` of refused connections), or when the server lists its models and
+    ours is not among them (every request would fail with 404).
     """
     if session is None:
         async with _session(1) as own:
             return await wait_ready(settings, own)
-    deadline = time.monotonic() + settings.ready_timeout_s
+    began = time.monotonic()
+    deadline = began + settings.ready_timeout_s
     health = f"{settings.server_root}/health"
     models = f"{settings.base_url}/models"
     headers = {"Authorization": f"Bearer {_api_key()}"}
-    problem = "no answer"
+    problem, refused_since, reported = "no answer", None, None
     while True:
-        remaining = deadline - time.monotonic()
+        now = time.monotonic()
+        remaining = deadline - now
         if remaining <= 0:
             break
+        if refused_since is not None and now - refused_since >= (
+            settings.refused_timeout_s or math.inf
+        ):
+            raise LoadgenError(
+                f"nothing listens at {settings.server_root}: every connection refused for "
+                f"{now - refused_since:.0f} s; is the server running at that address? "
+                f"(last probe: {problem})"
+            )
+        if reported is None or now - reported >= WAIT_REPORT_S:
+            _report_wait(settings, health, now - began, problem if reported else None)
+            reported = now
         probe_s = min(READY_PROBE_TIMEOUT_S, remaining)
         timeout = aiohttp.ClientTimeout(total=probe_s)
+        refused = False
         try:
             async with session.get(health, timeout=timeout, headers=headers) as response:
                 status, url = response.status, health
@@ -557,12 +579,33 @@ async def wait_ready(settings: ClientSettings, session: aiohttp.ClientSession | 
         except TimeoutError:
             problem = f"no answer within {probe_s:.1f} s"
         except aiohttp.ClientError as error:
-            problem = _describe(_root_cause(error))
+            cause = _root_cause(error)
+            problem = _describe(cause)
+            refused = isinstance(cause, ConnectionRefusedError) or isinstance(
+                getattr(error, "os_error", None), ConnectionRefusedError
+            )
+        refused_since = (refused_since or time.monotonic()) if refused else None
         await asyncio.sleep(min(READY_POLL_S, max(0.0, deadline - time.monotonic())))
     raise LoadgenError(
         f"server at {settings.server_root} never became ready within "
         f"{settings.ready_timeout_s:g} s (last probe: {problem})"
     )
+
+
+def _report_wait(
+    settings: ClientSettings, health: str, waited_s: float, problem: str | None
+) -> None:
+    """The wait's first line (what, where, how long), or a later one (how far, why)."""
+    if problem is None:
+        refused = settings.refused_timeout_s
+        sooner = f" ({refused:g} s if its port refuses connections)" if refused else ""
+        message = f"waiting up to {settings.ready_timeout_s:g} s{sooner} for GET {health} to answer"
+    else:
+        message = (
+            f"still waiting for {health}: {waited_s:.0f} s of {settings.ready_timeout_s:g} s "
+            f"(last probe: {problem})"
+        )
+    log.info("%s", message, extra=TERMINAL)
 
 
 def _check_model(settings: ClientSettings, status: int, body: bytes) -> None:

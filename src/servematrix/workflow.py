@@ -12,6 +12,7 @@ from typing import Any
 from servematrix import config, preflight
 from servematrix.cell import check_backend
 from servematrix.config import ConfigError
+from servematrix.progress import for_terminal
 
 DEFAULT_CONFIGFILE = "config/config.yaml"
 
@@ -103,8 +104,11 @@ def log_to(path: str) -> logging.Logger:
     """Send the package's log records (and warnings) to a job's Snakemake log file."""
     handler = logging.FileHandler(path, mode="w")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    terminal = logging.StreamHandler(sys.stderr)  # waits and warnings: the person watching
+    terminal.addFilter(lambda record: for_terminal(record) and not record.exc_info)
+    terminal.setFormatter(logging.Formatter("servematrix: %(message)s"))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [handler, terminal]
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)
     logger = logging.getLogger("servematrix")
@@ -117,3 +121,9 @@ def log_to(path: str) -> logging.Logger:
 
     sys.excepthook = log_uncaught
     return logger
+
+
+def interruption(stop: KeyboardInterrupt) -> str:
+    """Why a job stopped: the signal a handler named, else Ctrl-C's SIGINT (Python's own
+    KeyboardInterrupt carries no message)."""
+    return str(stop) or "signal SIGINT"

@@ -20,6 +20,7 @@ import _thread
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import shutil
 import signal
@@ -48,7 +49,9 @@ from servematrix.deploy.supervise import (
     stop_groups,
     wait_quiet,
 )
+from servematrix.progress import TERMINAL, WAIT_REPORT_S
 
+log = logging.getLogger(__name__)
 WATCH_S = 0.5
 QUIET_TIMEOUT_S = 60.0
 ACTIVE = ("starting", "ready")
@@ -334,18 +337,40 @@ def _start(plan: Plan, run_dir: Path, log_dir: Path, settings: Settings) -> floa
         },
     )
     supervisor_log = log_dir / "supervisor.log"
-    with open(supervisor_log, "ab") as log:
-        start = log.tell()
+    with open(supervisor_log, "ab") as out:
+        start = out.tell()
         popen = subprocess.Popen(
             [sys.executable, "-m", "servematrix.deploy.warm", str(run_dir)],
             stdin=subprocess.DEVNULL,
-            stdout=log,
+            stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     _CHILDREN[popen.pid] = popen
+    began = reported = time.monotonic()
+    names = ", ".join(p.name for p in plan.processes)
+    log.info(
+        "starting deployment %s (%s %s: %s): up to %g s for each process to answer its "
+        "/health (deploy.startup_timeout_s); logs in %s",
+        plan.fingerprint,
+        plan.model,
+        plan.mode,
+        names,
+        settings.startup_timeout_s,
+        log_dir,
+        extra=TERMINAL,
+    )
     try:
         while True:
+            if time.monotonic() - reported >= WAIT_REPORT_S:
+                reported = time.monotonic()
+                log.info(
+                    "still starting deployment %s: %.0f s (logs in %s)",
+                    plan.fingerprint,
+                    reported - began,
+                    log_dir,
+                    extra=TERMINAL,
+                )
             state = read_state(run_dir)
             if state.get("supervisor_pid") == popen.pid:
                 if state["status"] == "ready":
