@@ -48,6 +48,17 @@ def _pins(gpus: list[list[int]]) -> Callable[[dict], None]:
     return apply
 
 
+def _dataset(name: str) -> Callable[[dict], None]:
+    """Every cell replays a jsonl file of tests/data."""
+
+    def apply(cfg: dict) -> None:
+        cfg["defaults"].update(dataset="jsonl", dataset_path=str(DATA / name))
+
+    return apply
+
+
+DATA = ROOT / "tests" / "data"
+
 # (row of the issue's table, change to the small config, the one line both check and workflow print)
 ROWS: list[tuple[str, Callable[[dict], None], str]] = [
     (
@@ -95,6 +106,25 @@ ROWS: list[tuple[str, Callable[[dict], None], str]] = [
         _pins([[8, 9, 10, 11]]),
         f"config error at models.{MODEL}.gpus[0]: pins GPU 8 but the node has 8 GPUs "
         "(ids 0-7; set node.gpus for a bigger node)",
+    ),
+    (
+        "jsonl-malformed-line",
+        _dataset("malformed-line.jsonl"),
+        f"config error at defaults.dataset_path: dataset file {DATA}/malformed-line.jsonl line 2: "
+        "not valid JSON (Expecting ',' delimiter)",
+    ),
+    (
+        "jsonl-output-len-0",
+        _dataset("output-len-zero.jsonl"),
+        f"config error at defaults.dataset_path: dataset file {DATA}/output-len-zero.jsonl line 3: "
+        "output_len must be an integer >= 1, got 0",
+    ),
+    (
+        "max-model-len-beyond-context",
+        _set(("defaults", "max_model_len"), 200_000),
+        "config error at defaults.max_model_len: Qwen2.5-7B-Instruct-GPTQ-Int4: User-specified "
+        "max_model_len (200000) is greater than the derived max_model_len "
+        "(max_position_embeddings=32768 in model's config.json).",
     ),
     (
         "slo-negative",
@@ -213,8 +243,7 @@ def test_a_cell_of_one_huge_request_names_the_input_length():
 def test_a_model_the_engine_cannot_start_is_refused_before_its_job():
     """vLLM's own start-up refusals, on the backends whose server is the engine model."""
     cfg = copy.deepcopy(SMALL_CONFIG)
-    cfg["defaults"]["max_model_len"] = 2_000_000
-    cfg["studies"]["sizes"]["input_len"] = [1_000_000]
+    cfg["defaults"].update(max_model_len=30_000, gpu_memory_utilization=0.085)
     with pytest.raises(config.ConfigError) as caught:
         check_config(cfg)
     assert str(caught.value).startswith(

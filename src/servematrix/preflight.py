@@ -13,7 +13,12 @@ from typing import Any
 
 from servematrix.config import Cell, Config, ConfigError
 from servematrix.engine.admission import kv_capacity_message
-from servematrix.engine.architecture import ArchitectureError, load_architecture
+from servematrix.engine.architecture import (
+    ArchitectureError,
+    load_architecture,
+    max_model_len_refusal,
+    max_position_embeddings,
+)
 from servematrix.engine.hardware import DEFAULT_GPU, gpu_spec
 from servematrix.engine.kvcache import (
     BLOCK_SIZE_TOKENS,
@@ -23,12 +28,15 @@ from servematrix.engine.kvcache import (
 )
 from servematrix.engine.roofline import weight_bytes
 from servematrix.engine.scheduler import scheduler_config
+from servematrix.workload import WorkloadError, check_dataset
 
 
 def check(cfg: Config) -> None:
     """Raise ConfigError, naming the key path, for the first model or deployment that the
     engine cannot take."""
     _check_architectures(cfg)
+    _check_datasets(cfg)
+    _check_context(cfg)
     _check_engine_fits(cfg)
 
 
@@ -39,6 +47,48 @@ def _check_architectures(cfg: Config) -> None:
             load_architecture(spec.architecture)
         except ArchitectureError as error:
             raise ConfigError(f"models.{name}.architecture", str(error)) from None
+
+
+def _where(cfg: Config, study: str, key: str) -> str:
+    """The key path where a study's workload setting was made: its own, or ``defaults``."""
+    in_study = key in cfg.raw["studies"][study].get("workload", {})
+    return f"studies.{study}.workload.{key}" if in_study else f"defaults.{key}"
+
+
+def _check_datasets(cfg: Config) -> None:
+    """A dataset file a cell could not read (a malformed jsonl line, ``output_len: 0``)."""
+    checked: set[tuple[str, str, int]] = set()
+    for name, study in cfg.studies.items():
+        for cell in study.cells:
+            w = cell.workload
+            key = (w.dataset, w.dataset_path or "", w.output_len)
+            if w.dataset_path is None or key in checked:
+                continue
+            checked.add(key)
+            try:
+                check_dataset(w)
+            except WorkloadError as error:
+                raise ConfigError(_where(cfg, name, "dataset_path"), str(error)) from None
+
+
+def _check_context(cfg: Config) -> None:
+    """A ``max_model_len`` beyond the model's context, which vLLM (and so the emulator and the
+    simulator, which model it) refuses at start-up; an external server is the user's own."""
+    context: dict[str, int | None] = {}
+    for name, study in cfg.studies.items():
+        for cell in study.cells:
+            if cell.backend == "external":
+                continue
+            arch = cell.model.architecture
+            if arch not in context:
+                context[arch] = max_position_embeddings(arch)
+            derived = context[arch]
+            if derived is None:
+                continue
+            refusal = max_model_len_refusal(cell.serving.max_model_len, derived)
+            if refusal is not None:
+                where = _where(cfg, name, "max_model_len")
+                raise ConfigError(where, f"{cell.model.name}: {refusal}")
 
 
 def _check_engine_fits(cfg: Config) -> None:

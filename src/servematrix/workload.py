@@ -365,7 +365,16 @@ def _sonnet(w: Workload, count: int, counter: TokenCounter) -> list[_Entry]:
     return entries
 
 
-def _jsonl(w: Workload, count: int, counter: TokenCounter, vocab_size: int | None) -> list[_Entry]:
+def check_dataset(w: Workload) -> None:
+    """Read the workload's dataset file as a cell would, raising WorkloadError (naming the file
+    and, for jsonl, the line) for what would stop the cell: before any job, not inside one."""
+    if w.dataset == "jsonl":
+        _jsonl_rows(w)
+    elif w.dataset == "sonnet" and not _read_text(_dataset_file(w)).strip():
+        raise WorkloadError(f"dataset file {w.dataset_path}: no text lines")
+
+
+def _jsonl_rows(w: Workload) -> list[tuple[str | None, int, int]]:
     path = _dataset_file(w)
     rows = [
         _jsonl_row(path, number, line, w.output_len)
@@ -374,6 +383,11 @@ def _jsonl(w: Workload, count: int, counter: TokenCounter, vocab_size: int | Non
     ]
     if not rows:
         raise WorkloadError(f"dataset file {path}: no requests")
+    return rows
+
+
+def _jsonl(w: Workload, count: int, counter: TokenCounter, vocab_size: int | None) -> list[_Entry]:
+    rows = _jsonl_rows(w)
     chosen = [rows[k % len(rows)] for k in range(count)]
     ids = iter([])
     if vocab_size is not None:

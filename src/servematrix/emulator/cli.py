@@ -27,6 +27,7 @@ from servematrix.emulator.disagg import KvConnector, KvTransferError, connector
 from servematrix.emulator.models import ModelError, ModelInfo, resolve_model
 from servematrix.emulator.pacing import WallClockEngine
 from servematrix.emulator.server import Emulator, Faults, ServerSettings
+from servematrix.engine.architecture import max_model_len_refusal
 from servematrix.engine.kvcache import ModelDoesNotFitError
 from servematrix.engine.setup import (
     DEFAULT_GPU,
@@ -253,11 +254,9 @@ def _max_model_len(args: argparse.Namespace, model: ModelInfo) -> int:
         if derived is None:
             raise StartupError(f"{args.model}: no max_position_embeddings; pass --max-model-len")
         return derived
-    if derived is not None and args.max_model_len > derived:
-        raise StartupError(
-            f"User-specified max_model_len ({args.max_model_len}) is greater than the derived "
-            f"max_model_len (max_position_embeddings={derived} in model's config.json)."
-        )
+    refusal = None if derived is None else max_model_len_refusal(args.max_model_len, derived)
+    if refusal is not None:
+        raise StartupError(refusal)
     return args.max_model_len
 
 

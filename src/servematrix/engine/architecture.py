@@ -216,3 +216,21 @@ def load_architecture_file(path: Path, name: str) -> Architecture:
         vocab_size=config["vocab_size"],
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
+
+
+def max_position_embeddings(name: str) -> int | None:
+    """The context the model's ``config.json`` declares (None when it declares none)."""
+    value = json.loads(resolve_config_json(name).read_text()).get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def max_model_len_refusal(max_model_len: int, derived: int) -> str | None:
+    """vLLM's start-up refusal of a ``--max-model-len`` beyond the model's declared context
+    (``max_position_embeddings``; vLLM would also scale it by a ``rope_scaling`` factor, which
+    no modelled architecture has), or None when it fits."""
+    if max_model_len <= derived:
+        return None
+    return (
+        f"User-specified max_model_len ({max_model_len}) is greater than the derived "
+        f"max_model_len (max_position_embeddings={derived} in model's config.json)."
+    )
