@@ -8,6 +8,7 @@ from servematrix.deploy.order import (
     pinned_gpu_count,
     stop_deployments,
 )
+from servematrix.workflow import stop_jobs_on_interrupt
 
 
 def cell_conda_env(wildcards):
@@ -63,6 +64,10 @@ rule cell:
         cell_conda_env
     script:
         "../scripts/run_cell.py"
+
+
+# SIGINT to Snakemake alone stops the running cells too (servematrix.workflow).
+stop_jobs_on_interrupt()
 
 
 # Warm deployments outlive their cells: the run's end stops them (and their idle watchdog

@@ -207,13 +207,36 @@ def test_the_node_size_is_configurable(in_tmp, capsys):
     cfg["node"] = {"gpus": 16}
     (in_tmp / "c.yaml").write_text(config_text(cfg))
     assert cli.main(["check", "c.yaml"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == "GPUs pinned: 0, 4, 12 (of 16 on the node)"
+    assert (
+        capsys.readouterr().out.splitlines()[-1] == "GPU ids pinned: 0, 4, 12 (of 16 on the node)"
+    )
 
 
 def test_check_lists_the_gpus_a_config_pins(in_tmp, capsys):
     (in_tmp / "c.yaml").write_text(config_text(copy.deepcopy(SMALL_CONFIG)))
     assert cli.main(["check", "c.yaml"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == "GPUs pinned: 0, 4 (of 8 on the node)"
+    assert capsys.readouterr().out.splitlines()[-1] == "GPU ids pinned: 0, 4 (of 8 on the node)"
+
+
+def test_check_takes_the_workflows_overrides_and_names_step_time_fallbacks(monkeypatch, capsys):
+    """`--config KEY=VALUE` as Snakemake parses it; a roofline fallback is a warning line
+    here, as on a cell's terminal (a model of one's own has no measured tables)."""
+    monkeypatch.chdir(ROOT)
+    example = "config/examples/my-model.yaml"
+    assert cli.main(["check", example, "--config", "backend=emulator"]) == 0
+    out, err = capsys.readouterr()
+    assert "2 distinct cells on backend emulator" in out
+    assert err.splitlines() == [
+        "servematrix: warning: step times of meta-llama/Llama-3.2-1B-Instruct on A100-SXM4-80GB, "
+        "TP 1, bf16: aiconfigurator's measured tables do not cover this setup "
+        "(config/examples/my-model/config.json is not a shipped architecture (the tables are "
+        "built from shipped ones)); falling back to the roofline model, an estimate "
+        "(docs/engine-model.md)"
+    ]
+    assert cli.main(["check", example, "--config", "backend=tgi"]) == 1
+    assert capsys.readouterr().err.startswith(
+        "servematrix: config error at backend: 'tgi' is not one of ["
+    )
 
 
 @pytest.mark.parametrize(

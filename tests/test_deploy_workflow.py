@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -332,7 +333,9 @@ def _pid_with(text: str) -> int:
     raise AssertionError(f"no process with {text!r}")
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "decode crash", "etcd death"])
+@pytest.mark.parametrize(
+    "how", ["SIGTERM", "Ctrl-C", "SIGINT to Snakemake", "decode crash", "etcd death"]
+)
 def test_interrupted_in_the_middle_of_a_cell(tmp_path, how):
     mode = "mooncake-tcp" if how in ("decode crash", "etcd death") else "nondisagg"
     cfg = _config([mode], [2], num_prompts=400)  # ~200 s of requests
@@ -362,6 +365,8 @@ def test_interrupted_in_the_middle_of_a_cell(tmp_path, how):
         os.kill(_cell_job(workdir), signal.SIGTERM)
     elif how == "Ctrl-C":
         os.killpg(run.pid, signal.SIGINT)
+    elif how == "SIGINT to Snakemake":  # kill -INT: Snakemake alone, not its jobs
+        os.kill(run.pid, signal.SIGINT)
     elif how == "decode crash":
         os.kill(_pid_with(f"--port {cfg['ports']['decode']} "), signal.SIGKILL)
     else:
@@ -373,6 +378,8 @@ def test_interrupted_in_the_middle_of_a_cell(tmp_path, how):
             os.killpg(run.pid, signal.SIGKILL)
     assert run.returncode != 0
     assert not (workdir / cell).exists(), output[-3000:]
+    if how in ("SIGTERM", "Ctrl-C", "SIGINT to Snakemake"):
+        assert re.search(r"interrupted \(signal SIG(TERM|INT)\); nothing was written", output)
     if how == "decode crash":
         assert "decode exited with code -9 while serving" in output, output[-3000:]
     if how == "etcd death":

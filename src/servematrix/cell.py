@@ -143,7 +143,14 @@ class _Interrupted(KeyboardInterrupt):
     """SIGTERM (Snakemake stopping a job) handled as Ctrl-C: stop what the cell started."""
 
 
-def _sigterm(signum: int, frame: Any) -> None:
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    """The first stop signal interrupts the cell; later ones (Ctrl-C reaches a job both from
+    the terminal and from Snakemake) are ignored, so that they cannot cut its clean-up short."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     raise _Interrupted(f"signal {signal.Signals(signum).name}")
 
 
@@ -155,7 +162,7 @@ def _run_deployed(cell: Cell) -> BackendRun:
     from servematrix.deploy import gpulock, memory, recipes, warm
     from servematrix.deploy.supervise import DeployError
 
-    previous = signal.signal(signal.SIGTERM, _sigterm)
+    previous = {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS}
     try:
         plan = recipes.plan(cell)
         settings, state_dir, logs = warm.settings_for(cell)
@@ -191,7 +198,8 @@ def _run_deployed(cell: Cell) -> BackendRun:
             finally:
                 lease.release(keep)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     resolved = plan.resolve(str(lease.run_dir))
     deployment = {
         "fingerprint": plan.fingerprint,

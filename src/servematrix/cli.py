@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -22,16 +23,36 @@ LATENCY_ROWS = (
 
 
 def _check(args: argparse.Namespace) -> int:
-    from servematrix.workflow import check_config  # the workflow's own check, not a copy
+    from servematrix.preflight import warn_step_time_fallbacks
+    from servematrix.workflow import workflow_config  # the workflow's own check, not a copy
 
-    cfg = check_config(config.read_yaml(args.config))
+    cfg = workflow_config([args.config], _overrides(args.overrides))
     for name, study in cfg.studies.items():
         print(f"{name}: {len(study.cells)} cells ({study.recipe}, x = {study.x})")
     print(f"{len(cfg.all_cells())} distinct cells on backend {cfg.backend}")
     gpus = config.gpus_needed(cfg)
     node = cfg.raw.get("node", {}).get("gpus", config.DEFAULT_NODE_GPUS)
-    print(f"GPUs pinned: {', '.join(map(str, gpus))} (of {node} on the node)")
+    pinned = ", ".join(map(str, gpus)) or "none"
+    print(f"GPU ids pinned: {pinned} (of {node} on the node)")
+    warnings = logging.StreamHandler(sys.stderr)
+    warnings.setFormatter(logging.Formatter("servematrix: warning: %(message)s"))
+    warnings.setLevel(logging.WARNING)
+    logging.getLogger("servematrix").addHandler(warnings)
+    try:
+        warn_step_time_fallbacks(cfg)
+    finally:
+        logging.getLogger("servematrix").removeHandler(warnings)
     return 0
+
+
+def _overrides(entries: list[str]) -> dict:
+    """``--config KEY=VALUE ...`` parsed exactly as Snakemake parses its own."""
+    from snakemake.cli import parse_config
+
+    try:
+        return parse_config(entries)
+    except ValueError as error:
+        raise config.ConfigError("--config", str(error)) from None
 
 
 def _metrics(args: argparse.Namespace) -> int:
@@ -81,6 +102,14 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="validate a config and count its cells")
     check.add_argument("config", type=Path)
+    check.add_argument(
+        "--config",
+        dest="overrides",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override top-level keys as `snakemake --config` does (backend=emulator)",
+    )
     check.set_defaults(run=_check)
     show = commands.add_parser("metrics", help="print the metrics of one trace")
     show.add_argument("trace", type=Path)

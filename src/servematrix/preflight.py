@@ -28,6 +28,7 @@ from servematrix.engine.kvcache import (
 )
 from servematrix.engine.roofline import weight_bytes
 from servematrix.engine.scheduler import scheduler_config
+from servematrix.engine.setup import step_time_model, warn_fallback
 from servematrix.workload import WorkloadError, check_dataset
 
 
@@ -174,3 +175,25 @@ def _check_one_request_fits(
         f"({kv_capacity_message(shortest)}); lower input_len or max_model_len, or raise "
         "gpu_memory_utilization",
     )
+
+
+def warn_step_time_fallbacks(cfg: Config) -> None:
+    """Log, as a cell would (``engine.setup.warn_fallback``), each setup of the config whose
+    step times fall back to the roofline's estimate, on the backends that run the engine model
+    (the first use of a setup builds its measured table, then it is cached)."""
+    seen: set[tuple[Any, ...]] = set()
+    for cell in cfg.all_cells():
+        if cell.backend not in ("simulator", "emulator"):
+            continue
+        m = cell.model
+        gpu = gpu_spec(str(cell.engine.get("gpu", DEFAULT_GPU))).name
+        key = (m.architecture, gpu, m.tensor_parallel, m.quantization, cell.recipe)
+        if key in seen:
+            continue
+        seen.add(key)
+        arch = load_architecture(m.architecture)
+        choice = step_time_model(
+            arch, gpu, m.tensor_parallel, m.quantization, cell.recipe, cell.serving.enforce_eager
+        )
+        if choice.fallback is not None:
+            warn_fallback(m.hf_id, gpu, m.tensor_parallel, m.quantization, choice.fallback)

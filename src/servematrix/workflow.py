@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -127,3 +129,34 @@ def interruption(stop: KeyboardInterrupt) -> str:
     """Why a job stopped: the signal a handler named, else Ctrl-C's SIGINT (Python's own
     KeyboardInterrupt carries no message)."""
     return str(stop) or "signal SIGINT"
+
+
+def _children(pid: int | str) -> list[int]:
+    """A process's direct children (Linux: /proc/PID/task/*/children)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def stop_jobs_on_interrupt() -> None:
+    """SIGINT to Snakemake alone (``kill -INT``, an IDE's stop button; Ctrl-C in a terminal
+    reaches the jobs too) makes Snakemake wait for the running jobs to finish, then count their
+    results as incomplete: a cell would run to its end and be run again. So a SIGINT here first
+    sends SIGTERM to each job (the job's shell and the script it runs), which stops a cell as
+    Snakemake's own cancelling does (its deployment stopped, no trace written); then Snakemake
+    stops as it would."""
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        for shell in _children("self"):
+            for pid in (shell, *_children(shell)):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGTERM)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
