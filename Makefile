@@ -22,5 +22,5 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-clean:
-	rm -rf results .snakemake
+clean:  # results, Snakemake's records, and the local deployments' GPU locks and state
+	rm -rf results .snakemake .servematrix

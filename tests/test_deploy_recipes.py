@@ -279,6 +279,20 @@ def test_dry_run_names_an_unknown_model():
     assert "unknown model 'nope'" in result.stderr
 
 
+def test_dry_run_does_not_override_a_models_forced_recipe(default_config):
+    """Command R7B forces v1 (vLLM 0.6 cannot run it): --recipe v0 is an error, not a v0 plan."""
+    cfg = config.load(default_config)
+    with pytest.raises(config.ConfigError) as caught:
+        find_cell(cfg, "c4ai-command-r7b-12-2024", "single", "v0")
+    assert str(caught.value) == (
+        "config error at --recipe: model c4ai-command-r7b-12-2024 forces recipe v1 in every "
+        "study (models.c4ai-command-r7b-12-2024.recipe), so it never runs on v0: drop --recipe "
+        "or pass --recipe v1"
+    )
+    assert find_cell(cfg, "c4ai-command-r7b-12-2024", "single", None).recipe == "v1"
+    assert find_cell(cfg, "c4ai-command-r7b-12-2024", "single", "v1").recipe == "v1"
+
+
 def test_engine_kv_settings_reach_the_command_lines(default_config):
     raw = {
         **default_config,

@@ -248,3 +248,9 @@ def test_wall_clock_driver_reproduces_the_engine_timeline():
     assert joined
     assert first_due == pytest.approx(due[0], abs=1e-9)
     assert second_due == pytest.approx(due[1], abs=1e-9)
+
+
+def test_a_standalone_emulator_binds_loopback_unless_told():
+    """Unlike `vllm serve` (every interface), as every service servematrix starts."""
+    assert parse_args(["serve", "qwen2.5-7b"]).host == "127.0.0.1"
+    assert parse_args(["serve", "qwen2.5-7b", "--host", "0.0.0.0"]).host == "0.0.0.0"

@@ -197,7 +197,7 @@ def test_harness_health_and_failures() -> None:
 
 def test_healthy_harness() -> None:
     sentences = section(findings(PLAIN_VS_CHUNKED), "Harness health and failures")
-    assert sentences[0].startswith("The load generator kept every cell within 1%")
+    assert sentences[0].startswith("Every cell's requests were sent within 1%")
     assert sentences[1] == "No request failed in any of the 4 cells."
 
 
@@ -209,7 +209,7 @@ def test_a_concurrency_cap_is_not_called_a_lagging_client() -> None:
     ]
     sentences = section(findings(rows), "Harness health and failures")
     assert sentences == [
-        "The load generator kept every cell within 1% of its schedule's rate with a P99 send "
+        "Every cell's requests were sent within 1% of its schedule's rate with a P99 send "
         "lag of at most 5 ms where no concurrency cap held requests back.",
         "m at QPS 4 held at most 2 requests in flight (max_concurrency): its sending rate "
         "and P99 send lag (640.0 ms) include waiting for a free slot.",

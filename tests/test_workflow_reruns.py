@@ -153,6 +153,7 @@ def finished(tmp_path_factory):
     )
     run = snakemake(workdir, "--cores", "1", "all")
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "Shell command: None" not in run.stdout + run.stderr  # script rules have none
     dry = snakemake(workdir, "-n", "--cores", "1", "all")
     assert "Nothing to be done" in dry.stdout + dry.stderr
     return workdir, config

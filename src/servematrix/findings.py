@@ -574,7 +574,8 @@ def health_section(summary: pl.DataFrame, x: str, series: list[str]) -> Section:
     sentences = qps_misses + lags
     if not sentences:
         sentences.append(
-            f"The load generator kept every cell within {QPS_TOLERANCE:.0%} of its schedule's "
+            # Not "the load generator": the simulator has none (its sends are the schedule).
+            f"Every cell's requests were sent within {QPS_TOLERANCE:.0%} of its schedule's "
             f"rate with a P99 send lag of at most {SEND_LAG_LIMIT_MS:g} ms"
             + (" where no concurrency cap held requests back." if capped else ".")
         )

@@ -20,6 +20,13 @@ def find_cell(cfg: config.Config, model: str, mode: str, recipe: str | None) -> 
     if mode not in MODES:
         raise ConfigError("modes", f"unknown mode {mode!r} (known: {', '.join(MODES)})")
     spec = names[model]
+    if recipe is not None and spec.recipe is not None and recipe != spec.recipe:
+        raise ConfigError(
+            "--recipe",
+            f"model {spec.name} forces recipe {spec.recipe} in every study "
+            f"(models.{spec.name}.recipe), so it never runs on {recipe}: drop --recipe or pass "
+            f"--recipe {spec.recipe}",
+        )
     if len(spec.gpus) < MODES[mode].instances:
         raise ConfigError(
             f"models.{spec.name}.gpus",

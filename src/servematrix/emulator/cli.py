@@ -96,7 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     vllm = parser.add_argument_group("vllm serve flags")
     vllm.add_argument("--model", help="model (the 0.6 api_server form)")
     vllm.add_argument("--served-model-name", nargs="+")
-    vllm.add_argument("--host", default=None)
+    vllm.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (vLLM's default is every interface; servematrix binds loopback "
+        "unless told, as its deployments do: --host 0.0.0.0 for every interface)",
+    )
     vllm.add_argument("--port", type=int, default=8000)
     vllm.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     vllm.add_argument("--max-model-len", type=int)
@@ -304,7 +309,7 @@ async def serve(args: argparse.Namespace, setup: EngineSetup, settings: ServerSe
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     await runner.setup()
-    host = args.host or "0.0.0.0"
+    host = args.host
     try:
         await web.TCPSite(runner, args.host, args.port).start()
     except OSError as error:
