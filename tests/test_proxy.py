@@ -365,6 +365,14 @@ def test_http10_head_and_malformed_requests(procs: Processes) -> None:
     got = raw_exchange(rr, b"NONSENSE\r\n\r\n")
     assert got.startswith(b"HTTP/1.1 400 Bad Request")
     assert b"malformed request" in got
+    # Two different Content-Length values (RFC 9112 §6.3): 400 at once, not a wait for the
+    # longer body; the same value twice is one length.
+    twice = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+    got = raw_exchange(rr, twice % 3 + b"Content-Length: 30\r\n\r\n{} ")
+    assert got.startswith(b"HTTP/1.1 400 Bad Request")
+    assert b"conflicting Content-Length" in got
+    same = twice % len(body) + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    assert b" 200 " in raw_exchange(rr, same, lambda got: got.endswith(b"\r\n0\r\n\r\n"))[:20]
 
 
 def test_a_pooled_connection_closed_by_the_server_is_replaced(tmp_path: Path) -> None:

@@ -130,7 +130,12 @@ def _parse_head(head: bytes) -> tuple[list[bytes], list[bytes], dict[bytes, byte
         # No space before the colon, no obsolete line folding: both are smuggling vectors.
         if not colon or not name or name[:1] in b" \t" or name[-1:] in b" \t":
             raise ValueError(f"bad header line {line[:100]!r}")
-        fields[name.lower()] = value.strip()
+        key, value = name.lower(), value.strip()
+        # RFC 9112 §6.3: differing Content-Length values are an unrecoverable framing error
+        # (taking either one lets the message's end be disputed).
+        if key == b"content-length" and fields.get(key, value) != value:
+            raise ValueError(f"conflicting Content-Length {fields[key][:20]!r}, {value[:20]!r}")
+        fields[key] = value
     return parts, lines, fields
 
 
