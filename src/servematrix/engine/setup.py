@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,6 +28,9 @@ from servematrix.engine.roofline import (
 )
 from servematrix.engine.scheduler import Scheduler, SchedulerConfig, scheduler_config
 from servematrix.engine.steptime import StepTimeModel, WithDecodeOverhead
+
+if TYPE_CHECKING:
+    from servematrix.config import Cell
 
 DEFAULT_JITTER_CV = 0.03
 """Step-to-step variation of a GPU forward pass (peers §2.9: CV about 3-5 %)."""
@@ -152,6 +156,31 @@ def build_engine_setup(
         kv,
         float(jitter_cv),
         float(straggler_probability),
+    )
+
+
+def cell_engine_setup(cell: Cell, step_time: StepTimeModel | None = None) -> EngineSetup:
+    """The engine every instance of the cell runs (the emulator builds the same one from the
+    vLLM flags the cell's deployment passes it)."""
+    serving = cell.serving
+    return build_engine_setup(
+        cell.model.architecture,
+        quantization=cell.model.quantization,
+        tensor_parallel=cell.model.tensor_parallel,
+        recipe=cell.recipe,
+        chunked_prefill=cell.mode.chunked_prefill,
+        max_model_len=serving.max_model_len,
+        gpu_memory_utilization=serving.gpu_memory_utilization,
+        gpu=cell.engine.get("gpu", DEFAULT_GPU),
+        max_num_batched_tokens=serving.max_num_batched_tokens,
+        enforce_eager=serving.enforce_eager,
+        prefix_caching=serving.prefix_caching,  # as the recipes' --[no-]enable-prefix-caching
+        jitter_cv=float(cell.engine.get("jitter_cv", DEFAULT_JITTER_CV)),
+        straggler_probability=float(
+            cell.engine.get("straggler_probability", DEFAULT_STRAGGLER_PROBABILITY)
+        ),
+        step_time=step_time,
+        model_label=f"{cell.model.name} ({cell.model.quantization})",
     )
 
 
