@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from servematrix.emulator import wire
-from servematrix.emulator.disagg import KvConnector, KvTransferError, connector
+from servematrix.emulator.disagg import connector
+from servematrix.emulator.kvconnector import KvConnector, KvTransferError
 from servematrix.emulator.models import ModelError, ModelInfo, resolve_model
 from servematrix.emulator.pacing import WallClockEngine
 from servematrix.emulator.server import Emulator, Faults, ServerSettings
