@@ -70,9 +70,9 @@ def _modelled_layout(cell: Cell) -> dict[str, Any]:
     """The emulator's modelled weights and KV pool: it builds the simulator's engine from the
     vLLM flags the cell's deployment passes it."""
     from servematrix.deploy.memory import modelled_layout
-    from servematrix.simulate import engine_setup
+    from servematrix.engine.setup import EngineFlags, plan_engine
 
-    return modelled_layout(engine_setup(cell).kv)
+    return modelled_layout(plan_engine(cell.model.architecture, EngineFlags.of_cell(cell)).kv)
 
 
 def _requests(cell: Cell) -> list:
