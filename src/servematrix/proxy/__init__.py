@@ -56,6 +56,11 @@ an upstream dies in the middle of a streamed (SSE) response, the client gets one
 errors after the 200 header); mid-way through any other body, the connection is cut. A client
 that goes away closes the upstream connection, so the server aborts the request as it would
 without the proxy. An HTTP/1.0 client's request goes upstream as HTTP/1.0 on a connection of its
-own (no chunked answer can reach it). SIGTERM or SIGINT closes the listener and every
-connection, and the process exits 0.
+own (no chunked answer can reach it). A request whose body's end is ambiguous (two different
+``Content-Length`` values, RFC 9112 §6.3) is answered 400 and its connection closed. SIGTERM or
+SIGINT closes the listener and every connection, and the process exits 0.
+
+The modules: ``http`` (messages and framing), ``upstream`` (the pooled upstream connections),
+``relay`` (client connections and what every policy shares), one module per policy
+(``roundrobin``, ``disagg_v0``, ``disagg_v1``) and ``cli``.
 """

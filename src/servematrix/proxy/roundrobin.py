@@ -10,7 +10,7 @@ from servematrix.proxy.relay import ClientConnection, Proxy
 
 
 class RoundRobinProxy(Proxy):
-    """Strict cycle over the upstreams (see the module docstring)."""
+    """Strict cycle over the upstreams (``servematrix.proxy`` says how it differs from vLLM's)."""
 
     kind = "round-robin"
 
