@@ -1,5 +1,5 @@
 # Snakemake adapter: where a study's simulated step times came from (measured tables or roofline).
-from servematrix.compare import write_step_times
+from servematrix.steptimes import write_step_times
 from servematrix.workflow import log_to
 
 log_to(snakemake.log[0])

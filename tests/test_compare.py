@@ -13,20 +13,18 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from servematrix import compare, trace
+from servematrix import compare, steptimes, trace
 from servematrix.cell import run_cell
 from servematrix.compare import (
     COMPARED,
     COMPARED_FIGURES,
-    SetupStepTimes,
     comparison_figure,
     ratio_table,
     ratios_html,
-    step_time_sentences,
     summarize_ratios,
-    write_step_times,
 )
 from servematrix.config import MODES, Cell, ConfigError, ModelSpec, Serving, Workload
+from servematrix.steptimes import SetupStepTimes, step_time_sentences, write_step_times
 from servematrix.workflow import check_config, predicted_config
 from tests.conftest import SMALL_CONFIG
 from tests.workflow_helpers import copy_workflow, planned_jobs, snakemake, write_config
@@ -226,7 +224,7 @@ def test_a_trace_without_the_fallback_field_says_so_by_its_label(tmp_path):
     del meta["deployment"]["engine"]["step_time_fallback"]
     old = table.replace_schema_metadata({trace.METADATA_KEY: json.dumps(meta)})
     pq.write_table(old, path)
-    cell = compare.cell_step_times(path)
+    cell = steptimes.cell_step_times(path)
     assert cell.fallback_reason is not None and cell.fallback_reason.startswith("roofline (")
 
 
@@ -238,7 +236,7 @@ def test_a_trace_of_a_measured_backend_has_no_step_time_source(tmp_path):
     meta["deployment"] = {"base_url": "http://127.0.0.1:8000"}
     pq.write_table(table.replace_schema_metadata({trace.METADATA_KEY: json.dumps(meta)}), path)
     with pytest.raises(trace.TraceError, match="records no step-time source"):
-        compare.cell_step_times(path)
+        steptimes.cell_step_times(path)
 
 
 # The workflow's plan -------------------------------------------------------------------------

@@ -12,15 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from servematrix.emulator.disagg import (
-    KV_LINK_ENV,
-    KvTransferError,
-    MooncakeV0,
-    MooncakeV1,
-    WallClockLink,
-    connector,
-    prompt_key,
-)
+from servematrix.emulator.disagg import connector
+from servematrix.emulator.kvconnector import KV_LINK_ENV, KvTransferError, WallClockLink, prompt_key
+from servematrix.emulator.mooncake_v0 import MooncakeV0
+from servematrix.emulator.mooncake_v1 import MooncakeV1
 from servematrix.engine.architecture import load_architecture
 from servematrix.engine.transfer import TransferLink
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import servematrix.simulate as simulate_module
+import servematrix.simulate.v1 as simulate_v1
 from servematrix.config import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.engine.kvcache import ModelDoesNotFitError
 from servematrix.simulate import round_robin_targets, simulate
@@ -154,9 +155,9 @@ def test_v0_receive_step_waits_for_the_producer_only_in_its_share():
     then 5 ms of compute (65 ms in all). The producer runs a step from 5 ms to 25 ms: the
     first share stops at 5 ms and resumes at 25 ms, so the step ends 20 ms late, at 85 ms."""
     from servematrix.engine.instance import StepResult
-    from servematrix.simulate import _ReceiveStep
+    from servematrix.simulate.v0 import ReceiveStep
 
-    step = _ReceiveStep(0.0, StepResult(0.065, [], [], 0, 2), [(0.030, 0.010)] * 2, 0.0)
+    step = ReceiveStep(0.0, StepResult(0.065, [], [], 0, 2), [(0.030, 0.010)] * 2, 0.0)
     assert step.end_s(producer_busy=False) == pytest.approx(0.065)
     step.advance(0.005, producer_busy=False)
     assert step.end_s(producer_busy=True) == float("inf")
@@ -562,15 +563,15 @@ def test_sonnet_prompts_hit_a_prefix_cache_and_random_prompts_do_not(tmp_path):
     """With the engine's prefix caching on (V1's own default), a sonnet cell's requests after
     the first start past the cached prefix; a random cell's never do; with caching off, as
     the recipes run vLLM, the sonnet cell computes every prefix again."""
-    from servematrix import simulate as simulate_module
+    from servematrix.engine.kvcache import BlockPool
+    from servematrix.simulate import serve_or_refuse
+    from servematrix.simulate.requests import Requests
     from servematrix.workload import TokenCounter, request_lengths
 
     sonnet = sonnet_cell(tmp_path)
     lengths = request_lengths(sonnet.workload, TokenCounter.approximate())
-    served = simulate_module.serve_or_refuse(
-        "v1", 10_000, simulate_module.BlockPool(10_000), lengths
-    )
-    requests = simulate_module._Requests(lengths, served)
+    served = serve_or_refuse("v1", 10_000, BlockPool(10_000), lengths)
+    requests = Requests(lengths, served)
     setup = dataclasses.replace(
         engine_setup_of(sonnet),
         scheduler=dataclasses.replace(engine_setup_of(sonnet).scheduler, prefix_caching=True),
@@ -596,10 +597,8 @@ def test_sonnet_prompts_hit_a_prefix_cache_and_random_prompts_do_not(tmp_path):
     random_lengths = request_lengths(
         with_workload(sonnet, dataset="random", dataset_path=None, prefix_len=0).workload
     )
-    random_served = simulate_module.serve_or_refuse(
-        "v1", 10_000, simulate_module.BlockPool(10_000), random_lengths
-    )
-    assert first_chunks(simulate_module._Requests(random_lengths, random_served), 3) == [1024] * 3
+    random_served = serve_or_refuse("v1", 10_000, BlockPool(10_000), random_lengths)
+    assert first_chunks(Requests(random_lengths, random_served), 3) == [1024] * 3
 
     # End to end: the simulator with caching on answers sonnet prompts sooner.
     off = ttft_ms(simulate(sonnet))
@@ -629,22 +628,10 @@ def v1_disaggregated_cells() -> list[Cell]:
     ]
 
 
-def one_queue(monkeypatch):
-    """Make the disaggregated driver run every request on its one event queue."""
-
-    class OneQueue(simulate_module._Disaggregated):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**kwargs, "pipelined": False})
-
-    monkeypatch.setattr(simulate_module, "_Disaggregated", OneQueue)
-
-
 @pytest.mark.parametrize("index", range(6))
-def test_v1_pipelined_driver_gives_the_one_queue_result(monkeypatch, index):
+def test_v1_pipelined_driver_gives_the_one_queue_result(index):
     c = v1_disaggregated_cells()[index]
-    pipelined = simulate(c)
-    one_queue(monkeypatch)
-    assert simulate(c) == pipelined
+    assert simulate(c, one_queue=True) == simulate(c)
 
 
 def test_an_order_tie_in_the_pipelined_driver_reruns_the_cell_on_one_queue(monkeypatch):
@@ -655,15 +642,15 @@ def test_an_order_tie_in_the_pipelined_driver_reruns_the_cell_on_one_queue(monke
         def __contains__(self, time):  # every decoder event meets an upstream one
             return True
 
-    monkeypatch.setattr(simulate_module._Upstream, "times", lambda self: EveryTime())
+    monkeypatch.setattr(simulate_v1.UpstreamRecording, "times", lambda self: EveryTime())
     drivers = []
 
-    class Recorded(simulate_module._Disaggregated):
+    class Recorded(simulate_module.Disaggregated):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             drivers.append(self.pipelined)
 
-    monkeypatch.setattr(simulate_module, "_Disaggregated", Recorded)
+    monkeypatch.setattr(simulate_module, "Disaggregated", Recorded)
     assert simulate(c) == expected
     assert drivers == [True, False]  # the pipelined pass gave up, one queue ran the cell
 

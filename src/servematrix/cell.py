@@ -6,15 +6,11 @@ atomically with a metadata document that makes the numbers traceable.
 
 from __future__ import annotations
 
-import json
 import logging
 import platform
 import signal
 import socket
 import sys
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -27,7 +23,7 @@ from servematrix.config import Cell, ConfigError
 from servematrix.trace import CellIdentity, RequestRecord
 
 if TYPE_CHECKING:
-    from servematrix.deploy.recipes import Plan
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +55,11 @@ def check_backend(backend: str) -> None:
 
 def _run_simulator(cell: Cell) -> BackendRun:
     from servematrix.deploy.memory import simulated
+    from servematrix.engine.hardware import DEFAULT_GPU
     from servematrix.simulate import simulate
 
     result = simulate(cell)
-    gpu = str(cell.engine.get("gpu", "A100-SXM4-80GB"))
+    gpu = str(cell.engine.get("gpu", DEFAULT_GPU))
     util = cell.serving.gpu_memory_utilization
     memory_use = simulated(gpu, util, result.kv, result.peak_kv_blocks)
     return BackendRun(result.records, {"engine": result.engine_parameters, "memory": memory_use})
@@ -72,9 +69,9 @@ def _modelled_layout(cell: Cell) -> dict[str, Any]:
     """The emulator's modelled weights and KV pool: it builds the simulator's engine from the
     vLLM flags the cell's deployment passes it."""
     from servematrix.deploy.memory import modelled_layout
-    from servematrix.simulate import engine_setup
+    from servematrix.engine.setup import EngineFlags, plan_engine
 
-    return modelled_layout(engine_setup(cell).kv)
+    return modelled_layout(plan_engine(cell.model.architecture, EngineFlags.of_cell(cell)).kv)
 
 
 def _requests(cell: Cell) -> list:
@@ -116,29 +113,6 @@ def _run_external(cell: Cell) -> BackendRun:
     return BackendRun(records, {"base_url": base_url, "started": "external", **client})
 
 
-def _emulator_preemptions(plan: Plan, prefix: str) -> dict[int, int]:
-    """How often the emulator's engines preempted each request of the run (by request id),
-    summed over the deployment's instances (a disaggregated request is served by both), from
-    each instance's emulator-only ``GET /servematrix/requests``; a request no instance saw
-    is absent."""
-    from servematrix.deploy import memory
-    from servematrix.deploy.supervise import DeployError
-
-    counts: dict[int, int] = {}
-    mark = f"{prefix}-"
-    for name, base in memory.instances(plan).items():
-        url = f"{base}/servematrix/requests?prefix={urllib.parse.quote(mark)}"
-        try:
-            with urllib.request.urlopen(url, timeout=30) as response:
-                logs = json.load(response)
-        except (urllib.error.URLError, OSError, ValueError) as error:
-            raise DeployError(f"{name}: could not read {url}: {error}") from error
-        for key, entry in logs.items():
-            request_id = int(key.removeprefix(mark))
-            counts[request_id] = counts.get(request_id, 0) + entry["preemptions"]
-    return counts
-
-
 class _Interrupted(KeyboardInterrupt):
     """SIGTERM (Snakemake stopping a job) handled as Ctrl-C: stop what the cell started."""
 
@@ -159,8 +133,9 @@ def _run_deployed(cell: Cell) -> BackendRun:
 
     The deployment is stopped instead when the cell is interrupted (Ctrl-C, SIGTERM) or fails
     in any way other than failed requests, so nothing half-measured keeps running."""
-    from servematrix.deploy import gpulock, memory, recipes, warm
+    from servematrix.deploy import emulated, gpulock, memory, recipes, warm
     from servematrix.deploy.supervise import DeployError
+    from servematrix.engine.hardware import DEFAULT_GPU
 
     previous = {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS}
     try:
@@ -180,7 +155,7 @@ def _run_deployed(cell: Cell) -> BackendRun:
                     "fresh" if lease.fresh else "reused",
                     lease.startup_s,
                 )
-                gpu = str(cell.engine.get("gpu", "A100-SXM4-80GB"))
+                gpu = str(cell.engine.get("gpu", DEFAULT_GPU))
                 util = cell.serving.gpu_memory_utilization
                 layout = _modelled_layout(cell) if cell.backend == "emulator" else None
                 with (
@@ -192,7 +167,7 @@ def _run_deployed(cell: Cell) -> BackendRun:
                 if problem is not None:
                     raise DeployError(problem)
                 if cell.backend == "emulator":
-                    counts = _emulator_preemptions(plan, client["request_id_prefix"])
+                    counts = emulated.preemptions(plan, client["request_id_prefix"])
                     records = [replace(r, preemptions=counts.get(r.request_id)) for r in records]
                 keep = True
             finally:

@@ -1,48 +1,37 @@
-"""The simulator's predictions, judged: where their step times came from, and how they compare
-with a measured backend.
-
-Two report items per study:
-
-* **Step-time sources** (every run that simulates the study): per model setup, whether
-  aiconfigurator-core's measured vLLM tables or the roofline model gave the step times, and why
-  the roofline stood in (``step_time_fallback`` in each simulator trace's engine parameters). A
-  roofline step time is an estimate from datasheet bandwidth and FLOPs; the report says so
-  instead of letting it pass for a measured one.
-* **Predicted vs measured** (a run on ``emulator``, ``vllm`` or ``external``, which simulates the
-  same cells too: ``servematrix.workflow.predicted_config``): figures with one line per backend
-  for the same metric against the study's x, and a table of simulator / measured per metric and
-  cell, with the share of cells inside the 0.77–1.3× band the README's fidelity figures use.
+"""The simulator's predictions against a measured backend (a run on ``emulator``, ``vllm`` or
+``external``, which simulates the same cells too: ``servematrix.workflow.predicted_config``):
+figures with one line per backend for the same metric against the study's x, and a table of
+simulator / measured per metric and cell, with the share of cells inside the 0.77–1.3× band the
+README's fidelity figures use. (Where the step times came from: `servematrix.steptimes`.)
 """
 
 from __future__ import annotations
 
 import html
 import math
-import os
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import altair as alt
 import polars as pl
 
-from servematrix import trace
-from servematrix.aggregate import CSV_DECIMALS, HTML_STYLE
+from servematrix.aggregate import CSV_DECIMALS
+from servematrix.config import PREDICTING_BACKEND
 from servematrix.figures import (
     LATENCY_FAMILIES,
-    PANEL_HEIGHT,
-    PANEL_WIDTH,
     THROUGHPUT_PANELS,
     X_AXES,
     Panel,
+    figure_grid,
+    finite_points,
     latency_panels,
-    panel_axes,
+    line_panel,
     save_figure,
     series_order,
 )
 from servematrix.files import atomic_path, write_text
+from servematrix.steptimes import report_page
 
-PREDICTING_BACKEND = "simulator"
 KEYS = ("model", "mode", "qps", "input_len")
 """What identifies a cell within a study (the other identity columns are the study's own)."""
 FIDELITY_BAND = (0.77, 1.3)
@@ -58,176 +47,6 @@ COMPARED_FIGURES: dict[str, list[Panel]] = {
 """Overlaid figures: mean and P99 of each latency, output and request throughput."""
 COMPARED = [panel for panels in COMPARED_FIGURES.values() for panel in panels]
 RATIO_COLUMNS = ("metric", "label", *KEYS, "simulator", "measured", "ratio")
-
-
-# Step-time sources ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CellStepTimes:
-    """Where one simulated cell's step times came from (its trace's engine parameters)."""
-
-    model: str
-    mode: str
-    qps: float
-    input_len: int
-    gpu: str
-    tensor_parallel: int
-    quantization: str
-    source: str
-    fallback_reason: str | None
-    """Why the roofline stood in for aiconfigurator's measured tables; None: measured tables."""
-
-
-@dataclass(frozen=True)
-class SetupStepTimes:
-    """The cells of one model setup (model, GPU, TP, quantization) that share a step-time
-    source; a setup has one source, whatever the mode or load."""
-
-    model: str
-    gpu: str
-    tensor_parallel: int
-    quantization: str
-    source: str
-    fallback_reason: str | None
-    modes: tuple[str, ...]
-    cells: int
-
-
-def cell_step_times(path: str | os.PathLike[str]) -> CellStepTimes:
-    """Read a simulator trace's step-time source; TraceError (naming the file) for a trace of
-    another backend, which records none."""
-    metadata = trace.read_metadata(path)
-    engine = (metadata.get("deployment") or {}).get("engine")
-    cell = metadata.get("cell")
-    if not isinstance(engine, dict) or "step_time_source" not in engine or cell is None:
-        raise trace.TraceError(path, None, "records no step-time source (only simulator traces do)")
-    source = str(engine["step_time_source"])
-    if "step_time_fallback" in engine:
-        fallback = engine["step_time_fallback"]
-        reason = fallback["reason"] if fallback else None
-    else:  # written before the field existed: its source label is all it says
-        reason = source if source.startswith("roofline") else None
-    return CellStepTimes(
-        model=cell["model"]["name"],
-        mode=cell["mode"]["name"],
-        qps=float(cell["workload"]["qps"]),
-        input_len=int(cell["workload"]["input_len"]),
-        gpu=str(engine["gpu"]),
-        tensor_parallel=int(engine["tensor_parallel"]),
-        quantization=str(engine["quantization"]),
-        source=source,
-        fallback_reason=reason,
-    )
-
-
-def group_setups(cells: Iterable[CellStepTimes]) -> list[SetupStepTimes]:
-    """One row per (model setup, source), in the order the cells list them."""
-    groups: dict[tuple, list[CellStepTimes]] = {}
-    for cell in cells:
-        key = (
-            cell.model,
-            cell.gpu,
-            cell.tensor_parallel,
-            cell.quantization,
-            cell.source,
-            cell.fallback_reason,
-        )
-        groups.setdefault(key, []).append(cell)
-    return [
-        SetupStepTimes(
-            *key, modes=tuple(dict.fromkeys(c.mode for c in members)), cells=len(members)
-        )
-        for key, members in groups.items()
-    ]
-
-
-def _setup_name(setup: SetupStepTimes) -> str:
-    return f"{setup.model} on {setup.gpu}, TP {setup.tensor_parallel}, {setup.quantization}"
-
-
-def _cells(n: int) -> str:
-    return f"{n} cell" if n == 1 else f"{n} cells"
-
-
-def step_time_sentences(setups: Sequence[SetupStepTimes]) -> list[str]:
-    """Which cells' step times came from the roofline and why, or that none did."""
-    total = sum(s.cells for s in setups)
-    fallbacks = [s for s in setups if s.fallback_reason is not None]
-    if not fallbacks:
-        return [
-            f"All {_cells(total)} took their step times from aiconfigurator-core's measured vLLM "
-            "operator tables; none fell back to the roofline model."
-        ]
-    estimated = sum(s.cells for s in fallbacks)
-    share = f"All {_cells(total)}" if estimated == total else f"{estimated} of {_cells(total)}"
-    sentences = [
-        f"{share} took their step times from the roofline model (an "
-        "estimate from datasheet bandwidth and FLOPs, docs/engine-model.md), not from measured "
-        "tables:"
-    ]
-    sentences += [
-        f"{_setup_name(s)} ({_cells(s.cells)}; modes {', '.join(s.modes)}): {s.fallback_reason}."
-        for s in fallbacks
-    ]
-    return sentences
-
-
-def step_times_markdown(title: str, setups: Sequence[SetupStepTimes]) -> str:
-    lines = [f"# Step-time sources: {title}", ""]
-    lines += [f"- {sentence}" for sentence in step_time_sentences(setups)]
-    lines += ["", "| model | GPU | TP | quantization | modes | cells | step-time source |"]
-    lines.append("|---|---|---|---|---|---|---|")
-    lines += [
-        f"| {s.model} | {s.gpu} | {s.tensor_parallel} | {s.quantization} | "
-        f"{', '.join(s.modes)} | {s.cells} | {s.source} |"
-        for s in setups
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def step_times_html(title: str, setups: Sequence[SetupStepTimes]) -> str:
-    """A self-contained page: the sentences, then every setup with its source."""
-    head = "".join(
-        f"<th>{h}</th>"
-        for h in ("model", "GPU", "TP", "quantization", "modes", "cells", "step-time source")
-    )
-    rows = "\n".join(
-        f"<tr{' class=out' if s.fallback_reason else ''}>"
-        + "".join(
-            f"<td>{html.escape(str(v))}</td>"
-            for v in (
-                s.model,
-                s.gpu,
-                s.tensor_parallel,
-                s.quantization,
-                ", ".join(s.modes),
-                s.cells,
-                s.source,
-            )
-        )
-        + "</tr>"
-        for s in setups
-    )
-    items = "".join(f"<li>{html.escape(s)}</li>" for s in step_time_sentences(setups))
-    table = f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{rows}\n</tbody>\n</table>"
-    body = f"<ul>{items}</ul>\n{table}"
-    return _page(f"Step-time sources: {title}", body)
-
-
-def write_step_times(
-    trace_paths: Iterable[str | os.PathLike[str]],
-    title: str,
-    markdown_path: str | os.PathLike[str],
-    html_path: str | os.PathLike[str],
-) -> list[SetupStepTimes]:
-    setups = group_setups(cell_step_times(path) for path in trace_paths)
-    write_text(markdown_path, step_times_markdown(title, setups))
-    write_text(html_path, step_times_html(title, setups))
-    return setups
-
-
-# Predicted vs measured --------------------------------------------------------------------
 
 
 def _check_cells(predicted: pl.DataFrame, measured: pl.DataFrame) -> None:
@@ -372,22 +191,12 @@ def ratios_html(table: pl.DataFrame, title: str, measured_backend: str) -> str:
         f"throughput). Marked: outside {lo:g}–{hi:g}×.</p>"
     )
     body = f"{intro}\n<table>\n<thead>{head}</thead>\n<tbody>\n{overview}\n</tbody>\n</table>\n"
-    return _page(f"Predicted vs measured: {title}", body + "\n".join(sections))
+    return report_page(f"Predicted vs measured: {title}", body + "\n".join(sections))
 
 
 def _band_class(ratio: float | None) -> str:
     lo, hi = FIDELITY_BAND
     return " class=out" if ratio is not None and not lo <= ratio <= hi else ""
-
-
-def _page(title: str, body: str) -> str:
-    escaped = html.escape(title)
-    return (
-        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-        f"<title>{escaped}</title>\n<style>{HTML_STYLE}tr.out td{{background:#fde2e1}}"
-        f"h2{{margin-top:1.5em}}</style>\n</head>\n<body>\n<h1>{escaped}</h1>\n{body}\n"
-        "</body>\n</html>\n"
-    )
 
 
 def _source_names(measured_backend: str) -> list[str]:
@@ -422,17 +231,13 @@ def comparison_figure(
     _check_cells(predicted, measured)
     names = _source_names(measured["backend"][0])
     columns = sorted({*KEYS, *(p.column for p in panels)})
-    data = pl.concat(
+    sources = pl.concat(
         [
             summary.select(columns).with_columns(pl.lit(name).alias("source"))
             for summary, name in ((measured, names[0]), (predicted, names[1]))
         ]
-    ).with_columns(
-        pl.when(pl.col(p.column).cast(pl.Float64).is_finite())
-        .then(pl.col(p.column))
-        .alias(p.column)
-        for p in panels
     )
+    data = finite_points(sources, panels)
     configurations = _configurations(data)
     models, modes = data["model"].n_unique(), data["mode"].n_unique()
     rows = []
@@ -441,41 +246,24 @@ def comparison_figure(
         charts = [_panel(part, panel, x, names) for panel in panels]
         row_title = _row_title(model, mode, models, modes) if len(configurations) > 1 else ""
         rows.append(alt.hconcat(*charts, title=alt.Title(row_title, fontSize=14, anchor="start")))
-    return (
-        alt.vconcat(*rows, title=alt.Title(title, fontSize=16, anchor="start"))
-        .resolve_scale(color="shared", strokeDash="shared", y="independent")
-        .configure_legend(orient="right", labelLimit=0, titleFontSize=12, labelFontSize=12)
-        .configure_axis(labelFontSize=11, titleFontSize=12)
-        .configure_title(fontSize=13)
-    )
+    return figure_grid(rows, title, ["color", "strokeDash"])
 
 
 def _panel(data: pl.DataFrame, panel: Panel, x: str, names: list[str]) -> alt.Chart:
-    x_axis, y_axis = panel_axes(data, panel, x)
+    """Measured solid, predicted dashed, one legend for both."""
     legend = alt.Legend(title="Backend", symbolType="stroke", symbolStrokeWidth=3)
-    return (
-        alt.Chart(data, title=panel.title, width=PANEL_WIDTH, height=PANEL_HEIGHT)
-        .mark_line(point=True)
-        .encode(
-            x=x_axis,
-            y=y_axis,
-            color=alt.Color(
-                "source:N",
-                scale=alt.Scale(domain=names, range=["#1f77b4", "#ff7f0e"]),
-                legend=legend,
-            ),
-            strokeDash=alt.StrokeDash(
-                "source:N", scale=alt.Scale(domain=names, range=[[1, 0], [6, 3]]), legend=legend
-            ),
-            tooltip=[
-                alt.Tooltip("source:N", title="Backend"),
-                alt.Tooltip("model:N"),
-                alt.Tooltip("mode:N"),
-                alt.Tooltip(f"{x}:Q", title=X_AXES[x]),
-                alt.Tooltip(f"{panel.column}:Q", title=panel.y_title, format=",.2f"),
-            ],
-        )
+    color = alt.Color(
+        "source:N", scale=alt.Scale(domain=names, range=["#1f77b4", "#ff7f0e"]), legend=legend
     )
+    dash = alt.StrokeDash(
+        "source:N", scale=alt.Scale(domain=names, range=[[1, 0], [6, 3]]), legend=legend
+    )
+    tooltip = [
+        alt.Tooltip("source:N", title="Backend"),
+        alt.Tooltip("model:N"),
+        alt.Tooltip("mode:N"),
+    ]
+    return line_panel(data, panel, x, color, tooltip, dash)
 
 
 def comparison_figures(

@@ -18,6 +18,8 @@ import yaml
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 RECIPES = ("v0", "v1")
+PREDICTING_BACKEND = "simulator"
+"""The backend whose predictions a measured run is compared with (`servematrix.compare`)."""
 
 
 class ConfigError(ValueError):

@@ -150,26 +150,69 @@ def panel_axes(data: pl.DataFrame, panel: Panel, x: str) -> tuple[alt.X, alt.Y]:
     return x_axis, y_axis
 
 
-def _panel_chart(
-    data: pl.DataFrame, panel: Panel, x: str, layout: Layout, order: list[str]
+def line_panel(
+    data: pl.DataFrame,
+    panel: Panel,
+    x: str,
+    color: alt.Color,
+    tooltip: list[alt.Tooltip],
+    stroke_dash: alt.StrokeDash | None = None,
 ) -> alt.Chart:
+    """One panel: the panel's metric against the study's x (`panel_axes`), a line per series
+    (``color``, and ``stroke_dash`` if given); the tooltip adds x and the metric to
+    ``tooltip``."""
     x_axis, y_axis = panel_axes(data, panel, x)
-    legend = alt.Legend(title=layout.series.capitalize(), symbolType="stroke", symbolStrokeWidth=3)
+    dash = {} if stroke_dash is None else {"strokeDash": stroke_dash}
     return (
         alt.Chart(data, title=panel.title, width=PANEL_WIDTH, height=PANEL_HEIGHT)
         .mark_line(point=True)
         .encode(
             x=x_axis,
             y=y_axis,
-            color=alt.Color(f"{layout.series}:N", sort=order, legend=legend),
+            color=color,
+            **dash,
             tooltip=[
-                alt.Tooltip(f"{layout.series}:N"),
-                *([alt.Tooltip(f"{layout.rows}:N")] if layout.rows else []),
+                *tooltip,
                 alt.Tooltip(f"{x}:Q", title=X_AXES[x]),
                 alt.Tooltip(f"{panel.column}:Q", title=panel.y_title, format=",.2f"),
             ],
         )
     )
+
+
+def finite_points(data: pl.DataFrame, panels: list[Panel]) -> pl.DataFrame:
+    """``data`` with NaN and infinity (a cell without successful requests) as null in the
+    panels' columns: they cannot go into the JSON spec, and such a cell has no point."""
+    return data.with_columns(
+        pl.when(pl.col(p.column).cast(pl.Float64).is_finite())
+        .then(pl.col(p.column))
+        .alias(p.column)
+        for p in panels
+    )
+
+
+def figure_grid(rows: list[alt.HConcatChart], title: str, shared: list[str]) -> alt.VConcatChart:
+    """Rows of panels under one title; the ``shared`` encodings (a legend each) are shared by
+    every panel, each panel keeps its own y scale."""
+    return (
+        alt.vconcat(*rows, title=alt.Title(title, fontSize=16, anchor="start"))
+        .resolve_scale(**dict.fromkeys(shared, "shared"), y="independent")
+        .configure_legend(orient="right", labelLimit=0, titleFontSize=12, labelFontSize=12)
+        .configure_axis(labelFontSize=11, titleFontSize=12)
+        .configure_title(fontSize=13)
+    )
+
+
+def _panel_chart(
+    data: pl.DataFrame, panel: Panel, x: str, layout: Layout, order: list[str]
+) -> alt.Chart:
+    legend = alt.Legend(title=layout.series.capitalize(), symbolType="stroke", symbolStrokeWidth=3)
+    tooltip = [
+        alt.Tooltip(f"{layout.series}:N"),
+        *([alt.Tooltip(f"{layout.rows}:N")] if layout.rows else []),
+    ]
+    color = alt.Color(f"{layout.series}:N", sort=order, legend=legend)
+    return line_panel(data, panel, x, color, tooltip)
 
 
 def build_figure(
@@ -179,13 +222,7 @@ def build_figure(
     _check(summary, x, [p.column for p in panels])
     layout = choose_layout(summary)
     columns = sorted({"model", "mode", x, *(p.column for p in panels)})
-    # NaN or infinity (a cell without successful requests) cannot go into the JSON spec: no point.
-    data = summary.select(columns).with_columns(
-        pl.when(pl.col(p.column).cast(pl.Float64).is_finite())
-        .then(pl.col(p.column))
-        .alias(p.column)
-        for p in panels
-    )
+    data = finite_points(summary.select(columns), panels)
     order = series_order(data, layout.series)
     facets = series_order(data, layout.rows) if layout.rows else [None]
     rows = []
@@ -196,13 +233,7 @@ def build_figure(
             alt.Title(f"Model: {facet}", fontSize=14, anchor="start") if facet is not None else ""
         )
         rows.append(alt.hconcat(*charts, title=row_title))
-    return (
-        alt.vconcat(*rows, title=alt.Title(title, fontSize=16, anchor="start"))
-        .resolve_scale(color="shared", y="independent")
-        .configure_legend(orient="right", labelLimit=0, titleFontSize=12, labelFontSize=12)
-        .configure_axis(labelFontSize=11, titleFontSize=12)
-        .configure_title(fontSize=13)
-    )
+    return figure_grid(rows, title, ["color"])
 
 
 def save_figure(chart: alt.TopLevelMixin, stem: Path) -> list[Path]:

@@ -20,15 +20,8 @@ from servematrix.engine.architecture import (
     max_position_embeddings,
 )
 from servematrix.engine.hardware import DEFAULT_GPU, gpu_spec
-from servematrix.engine.kvcache import (
-    BLOCK_SIZE_TOKENS,
-    KvMemoryPlan,
-    ModelDoesNotFitError,
-    plan_kv_memory,
-)
-from servematrix.engine.roofline import weight_bytes
-from servematrix.engine.scheduler import scheduler_config
-from servematrix.engine.setup import step_time_model, warn_fallback
+from servematrix.engine.kvcache import BLOCK_SIZE_TOKENS, KvMemoryPlan, ModelDoesNotFitError
+from servematrix.engine.setup import EngineFlags, plan_engine, step_time_model, warn_fallback
 from servematrix.workload import WorkloadError, check_dataset
 
 
@@ -101,52 +94,32 @@ def _check_engine_fits(cfg: Config) -> None:
     planned: dict[tuple[Any, ...], tuple[KvMemoryPlan, float] | None] = {}
     for name, study in cfg.studies.items():
         for cell in study.cells:
-            m, s = cell.model, cell.serving
-            gpu = str(cell.engine.get("gpu", DEFAULT_GPU))
-            key = (m, cell.recipe, cell.mode.chunked_prefill, s, gpu, cell.backend)
+            flags = EngineFlags.of_cell(cell)
+            key = (cell.model.architecture, flags, cell.backend)
             if key not in planned:
-                planned[key] = _plan(cfg, name, study.models.index(m.name), cell, gpu)
+                planned[key] = _plan(cfg, name, study.models.index(cell.model.name), cell, flags)
             if planned[key] is not None:
                 _check_one_request_fits(cfg, name, cell, *planned[key])
 
 
 def _plan(
-    cfg: Config, name: str, index: int, cell: Cell, gpu: str
+    cfg: Config, name: str, index: int, cell: Cell, flags: EngineFlags
 ) -> tuple[KvMemoryPlan, float] | None:
     """The KV pool and admission watermark of a deployment on the engine model's backends
     (None on the others), or the ConfigError vLLM's start-up checks would give."""
-    m, s = cell.model, cell.serving
-    spec = gpu_spec(gpu)
     try:
-        sched = scheduler_config(
-            cell.recipe,
-            cell.mode.chunked_prefill,
-            s.max_model_len,
-            spec.name,
-            s.max_num_batched_tokens,
-        )
+        flags.scheduler()
     except ValueError as error:
         in_study = "max_num_batched_tokens" in cfg.raw["studies"][name].get("workload", {})
         where = f"studies.{name}.workload" if in_study else "defaults"
         raise ConfigError(f"{where}.max_num_batched_tokens", str(error)) from None
     if cell.backend not in ("simulator", "emulator"):
         return None
-    arch = load_architecture(m.architecture)
     try:
-        kv = plan_kv_memory(
-            model_label=f"{m.name} ({m.quantization})",
-            arch=arch,
-            weight_bytes=weight_bytes(arch, m.quantization),
-            gpu=spec,
-            tp=m.tensor_parallel,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            max_model_len=s.max_model_len,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs,
-        )
+        plan = plan_engine(cell.model.architecture, flags)
     except ModelDoesNotFitError as error:
         raise ConfigError(f"studies.{name}.models[{index}]", str(error)) from None
-    return kv, sched.watermark
+    return plan.kv, plan.scheduler.watermark
 
 
 def _check_one_request_fits(

@@ -13,7 +13,7 @@ from typing import Any
 
 from servematrix import config, preflight
 from servematrix.cell import check_backend
-from servematrix.config import ConfigError
+from servematrix.config import PREDICTING_BACKEND, ConfigError
 from servematrix.progress import for_terminal
 
 DEFAULT_CONFIGFILE = "config/config.yaml"
@@ -57,9 +57,6 @@ def workflow_config(
             path = path.relative_to(Path.cwd())  # named as the user typed it, as `check` does
         merged(raw, config.read_yaml(path))
     return check_config(merged(raw, overrides), schema_path)
-
-
-PREDICTING_BACKEND = "simulator"
 
 
 def predicted_config(cfg: config.Config) -> config.Config | None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servematrix.config import Cell
+from servematrix.engine.hardware import DEFAULT_GPU
 
 EMULATOR_EXECUTABLE = ("servematrix-emulator", "serve")
 EMULATOR_KV_LINK_ENV = "SERVEMATRIX_EMULATOR_KV_LINK"
@@ -341,7 +342,7 @@ def emulator_flags(cell: Cell) -> list[str]:
     engine = dict(cell.engine)
     flags = [
         "--gpu",
-        str(engine.get("gpu", "A100-SXM4-80GB")),
+        str(engine.get("gpu", DEFAULT_GPU)),
         "--recipe",
         cell.recipe,
         "--seed",

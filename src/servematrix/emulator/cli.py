@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from servematrix.emulator import wire
-from servematrix.emulator.disagg import KvConnector, KvTransferError, connector
+from servematrix.emulator.disagg import connector
+from servematrix.emulator.kvconnector import KvConnector, KvTransferError
 from servematrix.emulator.models import ModelError, ModelInfo, resolve_model
 from servematrix.emulator.pacing import WallClockEngine
 from servematrix.emulator.server import Emulator, Faults, ServerSettings
@@ -33,9 +34,10 @@ from servematrix.engine.setup import (
     DEFAULT_GPU,
     DEFAULT_JITTER_CV,
     DEFAULT_STRAGGLER_PROBABILITY,
+    EngineFlags,
     EngineSetup,
-    build_engine_setup,
 )
+from servematrix.engine.setup import engine_setup as setup_of_flags
 from servematrix.workload import TokenCounter
 
 PROG = "servematrix-emulator"
@@ -231,9 +233,10 @@ def check_kv_transfer_config(config: dict | None, recipe: str, environ=os.enviro
 
 
 def engine_setup(args: argparse.Namespace, model: ModelInfo, max_model_len: int) -> EngineSetup:
+    """The engine of this command line: the flags vLLM reads, plus the modelled GPU and jitter
+    (`servematrix.engine.setup`, as the simulator builds it for the cell)."""
     try:
-        return build_engine_setup(
-            model.arch,
+        flags = EngineFlags(
             quantization=model.quantization,
             tensor_parallel=args.tensor_parallel_size,
             recipe=args.recipe,
@@ -249,6 +252,7 @@ def engine_setup(args: argparse.Namespace, model: ModelInfo, max_model_len: int)
             straggler_probability=args.straggler_probability,
             model_label=args.model,
         )
+        return setup_of_flags(model.arch, flags)
     except (ModelDoesNotFitError, ValueError, KeyError) as error:
         raise StartupError(str(error).strip('"')) from None
 

@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from servematrix.emulator import wire
-from servematrix.emulator.disagg import KvConnector, KvTransferError
+from servematrix.emulator.kvconnector import KvConnector, KvTransferError
 from servematrix.emulator.pacing import TokenStream, WallClockEngine
 from servematrix.emulator.prefixes import PrefixIndex
 from servematrix.engine.admission import (

@@ -91,10 +91,6 @@ class Architecture:
         copies = 1 if self.tie_word_embeddings else 2
         return copies * self.vocab_size * self.hidden_size
 
-    @property
-    def num_params(self) -> int:
-        return self.num_layers * self.linear_params_per_layer + self.embedding_params
-
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """K and V of every layer for one token, all TP shards together."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

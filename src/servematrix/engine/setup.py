@@ -1,10 +1,17 @@
-"""Build one engine configuration from serving parameters: the single builder the simulator
-and the emulator share, so both run exactly the same engine for the same flags."""
+"""Build one engine configuration from serving flags: the single builder the simulator, the
+emulator, the config's pre-flight checks and the cells' memory model share, so all of them
+see exactly the same engine for the same flags.
+
+A cell's flags are `EngineFlags.of_cell` (what its deployment passes vLLM); the emulator reads
+the same flags from its vLLM command line. `plan_engine` is the part that needs no step-time
+model (scheduler and KV pool: what vLLM checks at start-up); `engine_setup` adds the step times.
+"""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,7 +22,7 @@ from servematrix.engine.aic_table import (
     select_step_time_model,
 )
 from servematrix.engine.architecture import Architecture, load_architecture, shipped
-from servematrix.engine.hardware import DEFAULT_GPU, gpu_spec
+from servematrix.engine.hardware import DEFAULT_GPU, GpuSpec, gpu_spec
 from servematrix.engine.host import NO_HOST_COST, HostCost, WithHostCost, host_cost
 from servematrix.engine.instance import EngineInstance, Jitter
 from servematrix.engine.kvcache import BlockPool, KvMemoryPlan, plan_kv_memory
@@ -27,6 +34,9 @@ from servematrix.engine.roofline import (
 )
 from servematrix.engine.scheduler import Scheduler, SchedulerConfig, scheduler_config
 from servematrix.engine.steptime import StepTimeModel, WithDecodeOverhead
+
+if TYPE_CHECKING:
+    from servematrix.config import Cell
 
 DEFAULT_JITTER_CV = 0.03
 """Step-to-step variation of a GPU forward pass (peers §2.9: CV about 3-5 %)."""
@@ -84,75 +94,142 @@ class EngineSetup:
         )
 
 
-def build_engine_setup(
-    architecture: str | Architecture,
-    *,
-    quantization: str,
-    tensor_parallel: int,
-    recipe: str,
-    chunked_prefill: bool | None,
-    max_model_len: int,
-    gpu_memory_utilization: float,
-    gpu: str = DEFAULT_GPU,
-    max_num_batched_tokens: int | None = None,
-    max_num_seqs: int | None = None,
-    enforce_eager: bool = False,
-    prefix_caching: bool | None = None,
-    jitter_cv: float = DEFAULT_JITTER_CV,
-    straggler_probability: float = DEFAULT_STRAGGLER_PROBABILITY,
-    step_time: StepTimeModel | None = None,
-    model_label: str | None = None,
-) -> EngineSetup:
-    """The engine vLLM would run for these flags.
+@dataclass(frozen=True)
+class EngineFlags:
+    """The serving flags an engine is built from (vLLM's, plus the modelled GPU and jitter).
 
-    ``architecture`` is a shipped architecture's name or one already loaded (a user's
-    ``config.json``); ``chunked_prefill`` None keeps the recipe's default; ``max_num_seqs`` and
+    ``chunked_prefill`` None keeps the recipe's default; ``max_num_seqs`` and
     ``max_num_batched_tokens`` None keep vLLM's defaults; ``prefix_caching`` is
     ``--[no-]enable-prefix-caching`` (None: the recipe's default, on in V1, off in 0.6);
-    ``step_time`` replaces the step-time model (tests); ``model_label`` names the model in
-    start-up errors (default: the architecture and quantization).
-    """
+    ``model_label`` names the model in start-up errors (default: the architecture and
+    quantization)."""
+
+    quantization: str
+    tensor_parallel: int
+    recipe: str
+    chunked_prefill: bool | None
+    max_model_len: int
+    gpu_memory_utilization: float
+    gpu: str = DEFAULT_GPU
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enforce_eager: bool = False
+    prefix_caching: bool | None = None
+    jitter_cv: float = DEFAULT_JITTER_CV
+    straggler_probability: float = DEFAULT_STRAGGLER_PROBABILITY
+    model_label: str | None = None
+
+    @classmethod
+    def of_cell(cls, cell: Cell) -> EngineFlags:
+        """What the cell's deployment runs (the recipes pass vLLM the same flags)."""
+        serving, engine = cell.serving, cell.engine
+        return cls(
+            quantization=cell.model.quantization,
+            tensor_parallel=cell.model.tensor_parallel,
+            recipe=cell.recipe,
+            chunked_prefill=cell.mode.chunked_prefill,
+            max_model_len=serving.max_model_len,
+            gpu_memory_utilization=serving.gpu_memory_utilization,
+            gpu=engine.get("gpu", DEFAULT_GPU),
+            max_num_batched_tokens=serving.max_num_batched_tokens,
+            enforce_eager=serving.enforce_eager,
+            prefix_caching=serving.prefix_caching,  # as the recipes' --[no-]enable-prefix-caching
+            jitter_cv=float(engine.get("jitter_cv", DEFAULT_JITTER_CV)),
+            straggler_probability=float(
+                engine.get("straggler_probability", DEFAULT_STRAGGLER_PROBABILITY)
+            ),
+            model_label=f"{cell.model.name} ({cell.model.quantization})",
+        )
+
+    def scheduler(self) -> SchedulerConfig:
+        """vLLM's scheduler for these flags; ValueError for flags vLLM refuses at start-up."""
+        sched = scheduler_config(
+            self.recipe,
+            self.chunked_prefill,
+            self.max_model_len,
+            gpu_spec(self.gpu).name,
+            self.max_num_batched_tokens,
+        )
+        if self.max_num_seqs is not None:
+            sched = replace(sched, max_num_seqs=self.max_num_seqs)
+        if self.prefix_caching is not None:
+            sched = replace(sched, prefix_caching=self.prefix_caching)
+        return sched
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What vLLM decides at start-up, before a step runs: the scheduler and the KV pool."""
+
+    arch: Architecture
+    gpu: GpuSpec
+    scheduler: SchedulerConfig
+    kv: KvMemoryPlan
+
+
+def plan_engine(architecture: str | Architecture, flags: EngineFlags) -> EnginePlan:
+    """The scheduler and KV pool of ``flags`` on ``architecture`` (a shipped architecture's
+    name or one already loaded, e.g. a user's ``config.json``). Raises ValueError for flags
+    vLLM refuses and ``ModelDoesNotFitError`` for a model the GPU cannot hold."""
     arch = load_architecture(architecture) if isinstance(architecture, str) else architecture
-    spec = gpu_spec(gpu)
-    sched = scheduler_config(
-        recipe, chunked_prefill, max_model_len, spec.name, max_num_batched_tokens
-    )
-    if max_num_seqs is not None:
-        sched = replace(sched, max_num_seqs=max_num_seqs)
-    if prefix_caching is not None:
-        sched = replace(sched, prefix_caching=prefix_caching)
+    spec = gpu_spec(flags.gpu)
+    sched = flags.scheduler()
     kv = plan_kv_memory(
-        model_label=model_label or f"{arch.name} ({quantization})",
+        model_label=flags.model_label or f"{arch.name} ({flags.quantization})",
         arch=arch,
-        weight_bytes=weight_bytes(arch, quantization),
+        weight_bytes=weight_bytes(arch, flags.quantization),
         gpu=spec,
-        tp=tensor_parallel,
-        gpu_memory_utilization=gpu_memory_utilization,
-        max_model_len=max_model_len,
+        tp=flags.tensor_parallel,
+        gpu_memory_utilization=flags.gpu_memory_utilization,
+        max_model_len=flags.max_model_len,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         max_num_seqs=sched.max_num_seqs,
+    )
+    return EnginePlan(arch, spec, sched, kv)
+
+
+def engine_setup(
+    architecture: str | Architecture, flags: EngineFlags, step_time: StepTimeModel | None = None
+) -> EngineSetup:
+    """The engine vLLM would run for ``flags`` (`plan_engine`, then the step-time model;
+    ``step_time`` replaces the model, for tests)."""
+    plan = plan_engine(architecture, flags)
+    arch, gpu, tp, quantization = (
+        plan.arch,
+        plan.gpu.name,
+        flags.tensor_parallel,
+        flags.quantization,
     )
     if step_time is not None:
         choice = StepTimeChoice(step_time, f"given ({type(step_time).__name__})")
     else:
-        choice = step_time_model(
-            arch, spec.name, tensor_parallel, quantization, recipe, enforce_eager
-        )
+        choice = step_time_model(arch, gpu, tp, quantization, flags.recipe, flags.enforce_eager)
         if choice.fallback is not None:
-            warn_fallback(
-                model_label or arch.name, spec.name, tensor_parallel, quantization, choice.fallback
-            )
+            warn_fallback(flags.model_label or arch.name, gpu, tp, quantization, choice.fallback)
     return EngineSetup(
         arch,
-        spec.name,
+        gpu,
         choice.model,
         choice.label,
         choice.fallback,
-        sched,
-        kv,
-        float(jitter_cv),
-        float(straggler_probability),
+        plan.scheduler,
+        plan.kv,
+        float(flags.jitter_cv),
+        float(flags.straggler_probability),
     )
+
+
+def build_engine_setup(
+    architecture: str | Architecture, *, step_time: StepTimeModel | None = None, **flags: Any
+) -> EngineSetup:
+    """`engine_setup` with the flags as keywords (``EngineFlags``' fields)."""
+    return engine_setup(architecture, EngineFlags(**flags), step_time)
+
+
+def cell_engine_setup(cell: Cell, step_time: StepTimeModel | None = None) -> EngineSetup:
+    """The engine every instance of the cell runs (the emulator builds the same one from the
+    vLLM flags the cell's deployment passes it)."""
+    return engine_setup(cell.model.architecture, EngineFlags.of_cell(cell), step_time)
 
 
 def warn_fallback(

@@ -19,10 +19,14 @@ Two generations move KV differently (docs/engine-model.md, "KV transfer"):
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from math import inf
 from typing import Any
+
+from servematrix.engine.architecture import Architecture
+from servematrix.engine.kvcache import kv_bytes_per_token_per_gpu
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,29 @@ class KvLink:
         if fast:
             cpu += fast / (self.rank_cpu_fast_gb_s * 1e9)
         return cpu
+
+
+def kv_bytes_per_token_per_rank(arch: Architecture, tp: int, recipe: str) -> float:
+    """What a prefill → decode transfer moves per prompt token and TP rank: the rank's KV heads'
+    share (replicated below one head per rank), plus in V0 the last hidden state, which every
+    rank sends."""
+    hidden = arch.hidden_size * 2 if recipe == "v0" else 0
+    return kv_bytes_per_token_per_gpu(arch, tp) + hidden
+
+
+def v0_receive_segments(receives: list[tuple[float, float]], step_s: float) -> list[list[Any]]:
+    """The work of a V0 consumer step that receives KV, in order, as ``[gated, seconds]``: per
+    received request (``receives``: its :meth:`KvLink.v0_receive_s` and
+    :meth:`KvLink.v0_producer_s`) the producer's share of the copy chain (*gated*: it advances
+    only while the producer's engine is between steps) and the rest of that receive, then the
+    step's compute (``step_s``, the step's duration with the receives, less the receives)."""
+    segments: list[list[Any]] = []
+    for receive_s, producer_s in receives:
+        segments += [[True, producer_s], [False, receive_s - producer_s]]
+    # fsum: exactly n * receive_s when the receives are equal (a fixed-length workload).
+    receiving_s = math.fsum(receive_s for receive_s, _ in receives)
+    segments.append([False, step_s - receiving_s])
+    return segments
 
 
 def kv_link(recipe: str, protocol: str, tp: int, overrides: Mapping[str, Any] | None) -> KvLink:

@@ -1,0 +1,5 @@
+import sys
+
+from servematrix.proxy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,314 @@
+"""The disaggregated driver: prefill instance → proxy → KV transfer → decode instance.
+
+The disaggregated proxy sends a ``max_tokens=1`` copy of each request to the prefill instance
+and waits for it, then sends the request to the decode instance. With the ``v0`` recipe the
+decode instance receives the KV inside its forward pass (`servematrix.simulate.v0`); with
+``v1`` the KV moves asynchronously over a shared link and the request joins the decode batch
+when it has arrived (`servematrix.simulate.v1`, which also runs the pipelined passes)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from math import inf
+from typing import Any
+
+import numpy as np
+
+from servematrix.config import Cell
+from servematrix.engine.instance import DecodeRun, EngineInstance, StepResult
+from servematrix.engine.setup import EngineSetup
+from servematrix.engine.transfer import (
+    V0_KV_BUFFER_BYTES,
+    LookupBuffer,
+    ProxyHop,
+    TransferLink,
+    kv_bytes_per_token_per_rank,
+    kv_link,
+)
+from servematrix.simulate.events import ClientSlots, Event, EventQueue
+from servematrix.simulate.requests import (
+    Requests,
+    Served,
+    capped,
+    emit_chunks,
+    records,
+    warm_up,
+)
+from servematrix.simulate.v0 import ReceiveStep, V0Handoff
+from servematrix.simulate.v1 import UpstreamRecording, V1Handoff
+from servematrix.trace import RequestRecord
+from servematrix.workload import RequestLengths
+
+
+class Disaggregated(V0Handoff, V1Handoff):
+    """Prefill instance → proxy → (KV transfer) → decode instance, on one event queue.
+
+    ``pipelined`` (V1 without a concurrency cap) runs the measured requests in the two passes
+    of `servematrix.simulate.v1`, with the same result; False runs them on the one queue."""
+
+    def __init__(
+        self,
+        cell: Cell,
+        setup: EngineSetup,
+        prefill: EngineInstance,
+        decode: EngineInstance,
+        lengths: RequestLengths,
+        served: Served,
+        pipelined: bool = True,
+    ):
+        self.cell = cell
+        self.pipelined = pipelined and cell.recipe == "v1"
+        self.generation = cell.recipe
+        self.lengths = lengths
+        self.requests = Requests(lengths, served)
+        self.prefill, self.decode = prefill, decode
+        self.events = EventQueue()
+        self.recording: UpstreamRecording | None = None
+        """Set while the upstream pass of a pipelined run records (no decoder then)."""
+        self.slots: ClientSlots | None = None
+        """The simulated client's concurrency cap, if it can hold a request back."""
+        self._prefill_busy = self._decode_busy = False
+        self._link_event_at = inf
+        self._set_hops(setup)
+        self._set_transfer(cell, setup, served)
+        self._set_event_tables()
+
+    def _set_hops(self, setup: EngineSetup) -> None:
+        self.hop = hop = ProxyHop(api_server_ms=setup.host.request_latency_ms)
+        # 1-token response + new request through the decode instance's API server, its serial
+        # input work included (the request reaches that engine with its KV, past its queue)
+        to_decoder_ms = 2 * hop.request_ms + hop.api_server_ms + setup.host.request_ms
+        self._decode_hop_s = to_decoder_ms * 1e-3
+        self._chunk_hop_s = hop.chunk_ms * 1e-3
+        self._hop_in_s = (hop.request_ms + hop.api_server_ms) * 1e-3
+
+    def _set_transfer(self, cell: Cell, setup: EngineSetup, served: Served) -> None:
+        """The KV link and buffer, and per request id its sizes and V0 receive times
+        (computed once per distinct prompt length)."""
+        tp = cell.model.tensor_parallel
+        self.link_config = kv_link(
+            cell.recipe, cell.mode.kv_protocol or "rdma", tp, cell.engine.get("kv_link")
+        )
+        self.link = TransferLink(
+            self.link_config.wire_bytes_per_s, self.link_config.setup_ms * 1e-3
+        )
+        self.bytes_per_token_per_rank = kv_bytes_per_token_per_rank(setup.arch, tp, cell.recipe)
+        self.bytes_per_prompt_token = self.bytes_per_token_per_rank * tp
+        self.buffer = LookupBuffer(float(cell.engine.get("kv_buffer_size", V0_KV_BUFFER_BYTES)))
+        self._inserting: list[int] = []  # prefill batch whose inserts wait for buffer room
+        self._inserted = 0
+        self._prefill_blocked = False
+        self.prefill_stall_s = 0.0
+        self._blocked_since = 0.0
+        self._input_lens, self._output_lens = self.lengths.input_lens, served.max_tokens
+        per_length = {
+            length: self._kv_of(length) for length in {cell.workload.input_len, *self._input_lens}
+        }
+        kv = [per_length[length] for length in self._input_lens]
+        self._transfer_bytes, self._buffer_entry_bytes, self._v0_receive_s, self._v0_producer_s = (
+            [row[i] for row in kv] for i in range(4)
+        )
+        self._nominal_kv = per_length[cell.workload.input_len]
+        self._awaiting_receive: set[int] = set()  # V0: at the decoder, KV not yet received
+        self._receive: ReceiveStep | None = None  # the decoder's V0 receive step in flight
+        # V0 receives inside the decoder's step; V1 adds a transfer at least this long.
+        shortest = min(self._input_lens)
+        self._link_min_s = (
+            0.0 if cell.recipe == "v0" else self.link.duration_alone_s(per_length[shortest][0])
+        )
+
+    def _set_event_tables(self) -> None:
+        # Least time from an event of each kind to a request joining the decoder.
+        to_decoder_s = self._decode_hop_s + self._link_min_s
+        self._event_leads = {
+            Event.ARRIVE: to_decoder_s,
+            Event.SLOT_FREED: self._hop_in_s + self._decode_hop_s + self._link_min_s,
+            Event.PREFILL_DONE: to_decoder_s,
+            Event.ARRIVE_DECODE: self._link_min_s,
+            Event.ARRIVE_TRANSFER: self._link_min_s,
+            Event.LINK: 0.0,
+            Event.DECODE_DONE: 0.0,
+            Event.RECEIVE_DONE: 0.0,
+        }
+        self._handlers = {
+            Event.ARRIVE: self._on_arrive_prefill,
+            Event.PREFILL_DONE: self._on_prefill_done,
+            Event.ARRIVE_DECODE: self._on_arrive_decode,
+            Event.ARRIVE_TRANSFER: self._on_arrive_transfer,
+            Event.LINK: self._on_link,
+            Event.DECODE_DONE: self._on_decode_done,
+            Event.RECEIVE_DONE: self._on_receive_done,
+            Event.SLOT_FREED: self._on_slot_freed,
+        }
+
+    def _kv_of(self, input_len: int) -> tuple[float, float, float, float]:
+        """A prompt's KV: bytes moved in all, bytes per rank (a V0 buffer entry), and the V0
+        receive time with the producer's share of it."""
+        entry = self.bytes_per_token_per_rank * input_len
+        return (
+            self.bytes_per_prompt_token * input_len,
+            entry,
+            self.link_config.v0_receive_s(entry),
+            self.link_config.v0_producer_s(entry),
+        )
+
+    def parameters(self) -> dict[str, Any]:
+        params = {
+            "topology": f"disaggregated-{self.generation}",
+            "proxy_hop": asdict(self.hop),
+            "kv_link": asdict(self.link_config),
+            "kv_bytes_per_prompt_token": self.bytes_per_prompt_token,
+            "kv_bytes_per_token_per_rank": self.bytes_per_token_per_rank,
+        }
+        if self.generation == "v0":
+            params.update(self._v0_parameters())
+        return params
+
+    def run(self, sends: np.ndarray) -> list[RequestRecord]:
+        w = self.cell.workload
+        total = w.warmup_requests + w.num_prompts
+        self.chunks: list[list[float]] = [[] for _ in range(total)]
+        # The proxy's max_tokens=1 copies for the prefill instance, made at once.
+        self._copies = self.requests.served(range(total), 1)
+        warm_sends = warm_up(
+            w.warmup_requests, self.chunks, lambda k, at: self._run([(at, k)]), 2 * self._hop_in_s
+        )
+        scheduled = sends.tolist()
+        sent = None
+        if not capped(w.max_concurrency, w.num_prompts):
+            measured = [(at, w.warmup_requests + i) for i, at in enumerate(scheduled)]
+            if self.pipelined:
+                self._decode_pass(self._run(measured, recording=True))
+            else:
+                self._run(measured)
+        else:
+            self.slots = ClientSlots(scheduled, w.max_concurrency)
+            first = [(at, w.warmup_requests + k) for k, at in self.slots.take(0.0)]
+            self._run(first)
+            sent = self.slots.sent
+        return records(
+            w.warmup_requests, warm_sends, sends, sent, self.chunks, self.lengths, self.requests
+        )
+
+    def _run(self, sends: list[tuple[float, int]], recording: bool = False) -> UpstreamRecording:
+        """Process ``sends`` (time, request id) and every event they cause; with
+        ``recording``, without the decoder: the upstream pass of a pipelined run.
+
+        Arrivals are not queued: they are sorted up front and merged with the event queue. They
+        win ties, as they would on one queue where they had been pushed before every other
+        event (the queue is empty when a run starts)."""
+        hop_in = self._hop_in_s
+        arrivals = sorted((sent + hop_in, k) for sent, k in sends)
+        last = len(arrivals)
+        arrivals.append((inf, -1))  # sentinel: no more arrivals
+        up = UpstreamRecording([t for t, _ in arrivals])
+        self.recording = up if recording else None
+        events, heap, handlers = self.events, self.events.heap, self._handlers
+        prefill, decode, on_arrive = self.prefill, self.decode, self._on_arrive_prefill
+        i = 0
+        while True:
+            arrival_at = arrivals[i][0]
+            if arrival_at <= (heap[0][0] if heap else inf):
+                if arrival_at == inf:
+                    break
+                now = arrival_at
+                on_arrive(now, arrivals[i][1])
+                i += 1
+                if self._prefill_busy or self._prefill_blocked:
+                    # Nothing else can start: take the arrivals up to the next event at once.
+                    until = heap[0][0] if heap else inf
+                    while i < last and arrivals[i][0] <= until:
+                        on_arrive(arrivals[i][0], arrivals[i][1])
+                        i += 1
+            else:
+                now, _, kind, payload = events.pop()
+                handlers[kind](now, payload)
+            if not (self._prefill_blocked or self._prefill_busy) and prefill.has_work():
+                # A prefill instance never has a decode run (its requests finish with their
+                # first token) nor receives KV: one step.
+                result = prefill.step()
+                events.push(now + result.duration_s, Event.PREFILL_DONE, (now, result))
+                self._set_prefill_busy(now, True)
+            if not recording and not self._decode_busy and decode.has_work():
+                # A waiting request rules out a decode run: no horizon needed then.
+                waiting = decode.scheduler.waiting
+                self._start_decode(now, now if waiting else self._decode_horizon(arrivals[i][0]))
+        self.recording = None
+        if self._inserting:
+            raise RuntimeError(
+                f"the v0 producer's KV buffer (kv_buffer_size {self.buffer.capacity_bytes:.3g} "
+                "bytes per rank) cannot hold one prefill batch: its inserts wait for a consumer "
+                "that never receives the batch, and vLLM would hang the same way"
+            )
+        return up
+
+    def _start_decode(self, now: float, next_event: float) -> None:
+        """Start the idle decoder that has work: a run of pure decodes up to the next event
+        (which could change its batch) when it can, else one step; queue its completion."""
+        self._decode_busy = True
+        run = self.decode.decode_run(next_event - now)
+        if run is not None:
+            self.events.push(now + run.step_ends_s[-1], Event.DECODE_DONE, (now, run))
+            return
+        result = self.decode.step()
+        if result.num_received:
+            self._received(now, result)
+        else:
+            self.events.push(now + result.duration_s, Event.DECODE_DONE, (now, result))
+
+    def _decode_horizon(self, next_arrival: float) -> float:
+        """Earliest time an event could change the decode batch: a decode run may go on until
+        then. Only a request joining the decoder changes its batch; prefill-side events lead
+        to one no sooner than the proxy hop (and, in V1, a transfer with the link to itself)
+        later, so a decode run need not stop at each of them. An arrival counts only while
+        the prefill instance is idle: while it is busy, its completion event bounds them all.
+        The decoder's steps are the same either way; only the runs that sum them differ."""
+        to_decoder = self._decode_hop_s + self._link_min_s
+        horizon = inf if self._prefill_busy else next_arrival + to_decoder
+        leads = self._event_leads
+        for time, _, kind, _ in self.events.heap:
+            if time + leads[kind] < horizon:
+                horizon = time + leads[kind]
+        return horizon
+
+    def _on_arrive_prefill(self, now: float, request_id: int) -> None:
+        request = self._copies[request_id]
+        if request is None:
+            # Refused (the error text says what the client saw): nothing reaches an engine.
+            if self.slots is not None:  # the slot frees when the answer is back
+                self.events.push(now + self._hop_in_s, Event.SLOT_FREED, None)
+            return
+        self.prefill.add_request(request)
+
+    def _on_prefill_done(self, now: float, payload: tuple[float, StepResult]) -> None:
+        self._set_prefill_busy(now, False)
+        started, result = payload
+        recording = self.recording
+        if recording is not None:
+            recording.steps.append((started, now))
+        finished = [request.request_id for request in result.finished]
+        if self.generation == "v0":
+            self._inserting.extend(finished)
+            self._insert(now)
+        elif finished:
+            self.events.push(now + self._decode_hop_s, Event.ARRIVE_TRANSFER, finished)
+            if recording is not None:
+                recording.transfers.append((now, now + self._decode_hop_s))
+
+    def _on_decode_done(self, now: float, payload: tuple[float, StepResult | DecodeRun]) -> None:
+        self._decode_busy = False
+        started, result = payload
+        chunks = self.chunks
+        emit_chunks(chunks, started, now, result, self._chunk_hop_s)
+        if self.slots is not None:  # a slot frees when the last chunk reaches the client
+            for request in result.finished:
+                self.events.push(chunks[request.request_id][-1], Event.SLOT_FREED, None)
+
+    def _on_slot_freed(self, now: float, payload: None) -> None:
+        """The simulated client sends the next requests its free slots allow, in order, each
+        at max(its scheduled time, now)."""
+        assert self.slots is not None
+        self.slots.release()
+        first = self.cell.workload.warmup_requests
+        for k, sent in self.slots.take(now):
+            self.events.push(sent + self._hop_in_s, Event.ARRIVE, first + k)
