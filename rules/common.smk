@@ -119,4 +119,5 @@ def get_study_x(wildcards):
 
 
 def get_slo_ms(wildcards):
-    return dict(SB.slo_ms)
+    """Per-request goodput bounds (servematrix.slo)."""
+    return SB.slo.per_request_ms()
