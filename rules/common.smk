@@ -4,6 +4,7 @@ import json
 import sys
 from pathlib import Path
 
+from servematrix import capacity_run
 from servematrix import config as sb_config
 from servematrix.workflow import fail_on_config_error, predicted_config, workflow_config
 
@@ -52,6 +53,7 @@ wildcard_constraints:
     mode=sb_config.wildcard_pattern(sb_config.MODES),
     study=sb_config.wildcard_pattern(STUDIES),
     workload=sb_config.WORKLOAD_TOKEN_PATTERN,
+    deployment=r"in\d+_out\d+_n\d+(_[A-Za-z0-9.+-]+)*",
 
 
 def study_outputs(study):
@@ -63,7 +65,15 @@ def study_outputs(study):
         *expand(f"{base}/figures/{study}/{{figure}}.{{ext}}", figure=FIGURES, ext=("svg", "html")),
         f"{base}/findings/{study}.md",
         f"{base}/findings/{study}.html",
+        *capacity_outputs(study),
     ]
+
+
+def capacity_outputs(study):
+    """The study's capacity table, when the config states an SLO to search against."""
+    if not SB.slo.defined:
+        return []
+    return [f"results/{SB.backend}/capacity/{study}.{ext}" for ext in ("parquet", "csv", "html")]
 
 
 def prediction_outputs(study):
@@ -116,6 +126,40 @@ def get_study_title(wildcards):
 
 def get_study_x(wildcards):
     return STUDIES[wildcards.study].x
+
+
+def deployment_cells(wildcards):
+    """Every configured cell (each rate and seed, any study) of the deployment behind a
+    capacity document's path."""
+    path = "results/{backend}/capacity/{recipe}/{model}/{mode}/{deployment}.json".format(
+        **dict(wildcards.items())
+    )
+    cells = capacity_run.deployments(config_of(wildcards.backend).all_cells()).get(path)
+    if not cells:
+        with fail_on_config_error():
+            raise sb_config.ConfigError("studies", f"no study in the config has deployment {path}")
+    return cells
+
+
+def get_deployment_traces(wildcards):
+    return [cell.path for cell in deployment_cells(wildcards)]
+
+
+def get_deployment_cells(wildcards):
+    """The cells as JSON, so a changed setting reruns the search."""
+    return json.dumps([cell.to_dict() for cell in deployment_cells(wildcards)], sort_keys=True)
+
+
+def get_study_deployments(wildcards):
+    return capacity_run.study_deployments(config_of(wildcards.backend), wildcards.study)
+
+
+def get_slo(wildcards):
+    return dict(SB.raw["slo"])
+
+
+def get_capacity_settings(wildcards):
+    return dict(SB.raw["capacity"])
 
 
 def get_slo_ms(wildcards):

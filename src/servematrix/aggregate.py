@@ -181,12 +181,14 @@ def write_summary(
     csv_path: str | os.PathLike[str],
     html_path: str | os.PathLike[str],
     title: str,
+    columns: Sequence[tuple[str, str]] = HTML_COLUMNS,
 ) -> None:
     """Write the summary three ways; each target appears complete or not at all.
 
     Everything is written to temporary files first and renamed only when all three succeeded.
+    ``columns`` are the HTML table's (column, header) pairs.
     """
-    page = render_html(df, title)
+    page = render_html(df, title, columns)
     rounded = df.with_columns(pl.selectors.float().round(CSV_DECIMALS))
     _write_all(
         [
@@ -197,9 +199,11 @@ def write_summary(
     )
 
 
-def render_html(df: pl.DataFrame, title: str) -> str:
+def render_html(
+    df: pl.DataFrame, title: str, columns: Sequence[tuple[str, str]] = HTML_COLUMNS
+) -> str:
     """A self-contained page (no external CSS or JS) with the key columns of the summary."""
-    columns = [(name, header) for name, header in HTML_COLUMNS if name in df.columns]
+    columns = [(name, header) for name, header in columns if name in df.columns]
     head = "".join(f"<th>{html.escape(header)}</th>" for _, header in columns)
     body = "\n".join(
         "<tr>" + "".join(_html_cell(row[name]) for name, _ in columns) + "</tr>"

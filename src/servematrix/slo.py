@@ -99,9 +99,10 @@ class Slo:
 def replacement_for_slo_ms(slo_ms: Any) -> str:
     """What to write instead of the retired ``slo_ms`` (one line)."""
     limits = slo_ms if isinstance(slo_ms, Mapping) else {}
-    bounds = ", ".join(
-        f"{key}: {{statistic: p99, max_ms: {value}}}" for key, value in limits.items()
-    ) or "ttft: {statistic: p99, max_ms: 2000}, tpot: {statistic: p99, max_ms: 100}"
+    bounds = (
+        ", ".join(f"{key}: {{statistic: p99, max_ms: {value}}}" for key, value in limits.items())
+        or "ttft: {statistic: p99, max_ms: 2000}, tpot: {statistic: p99, max_ms: 100}"
+    )
     return (
         "slo_ms is replaced by slo (per metric a statistic and a bound, plus attainment); "
         f"write slo: {{{bounds}, attainment: 0.9}}"
