@@ -85,10 +85,8 @@ def test_a_deployment_search_writes_its_probes_as_cells_and_reuses_them(
     monkeypatch.chdir(tmp_path)
     cfg = config.load(small_config)
     path, cells = next(iter(capacity_run.deployments(cfg.studies["disagg"].cells).items()))
-    assert (
-        path
-        == "results/simulator/capacity/v0/Qwen2.5-7B-Instruct-GPTQ-Int4/nondisagg/in1024_out6_n20.json"
-    )
+    model = "Qwen2.5-7B-Instruct-GPTQ-Int4"
+    assert path == f"results/simulator/capacity/v0/{model}/nondisagg/in1024_out6_n20.json"
     settings = {"tolerance": 0.05, "max_probes": 12, "gpu_hour_usd": 2.0}
     document = capacity_run.search_deployment(cells, cfg.slo, settings)
     probes = document["searches"][0]["probes"]

@@ -194,7 +194,9 @@ TABLE_COLUMNS = (
 
 TABLE_SCHEMA = {
     **dict.fromkeys(("model", "mode", "recipe", "breaks_first"), pl.String()),
-    **dict.fromkeys(("input_len", "output_len", "gpus", "repeats", "probes", "new_probes"), pl.Int64()),
+    **dict.fromkeys(
+        ("input_len", "output_len", "gpus", "repeats", "probes", "new_probes"), pl.Int64()
+    ),
     **dict.fromkeys(
         (
             "capacity_rps", "capacity_lo_rps", "capacity_hi_rps", "capacity_per_gpu",
