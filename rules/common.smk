@@ -154,6 +154,25 @@ def get_study_deployments(wildcards):
     return capacity_run.study_deployments(config_of(wildcards.backend), wildcards.study)
 
 
+def get_findings_capacity(wildcards):
+    """The study's capacity table, when there is an SLO to search against."""
+    if not config_of(wildcards.backend).slo.defined:
+        return []
+    return [f"results/{wildcards.backend}/capacity/{wildcards.study}.parquet"]
+
+
+def get_slo_description(wildcards):
+    return SB.slo.describe()
+
+
+def get_engine_gpu(wildcards):
+    return str(SB.raw["engine"]["gpu"])
+
+
+def get_backend(wildcards):
+    return wildcards.backend
+
+
 def get_slo(wildcards):
     return dict(SB.raw["slo"])
 

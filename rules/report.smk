@@ -1,9 +1,10 @@
-# Findings: the study's comparisons as sentences with their numbers, for the report.
+# Findings: the answer at the SLO first, then the study's comparisons as tables and sentences.
 
 
 rule findings:
     input:
-        "results/{backend}/summary/{study}.parquet",
+        summary="results/{backend}/summary/{study}.parquet",
+        capacity=get_findings_capacity,
     output:
         md="results/{backend}/findings/{study}.md",
         html=report(
@@ -18,5 +19,8 @@ rule findings:
     params:
         title=get_study_title,
         x=get_study_x,
+        slo=get_slo_description,
+        gpu=get_engine_gpu,
+        backend=get_backend,
     script:
         "../scripts/findings.py"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from servematrix import capacity, capacity_run, config
+from servematrix import capacity, capacity_run, config, intervals
 from servematrix.capacity import Probe
 from servematrix.slo import Slo
 
@@ -54,10 +54,10 @@ def test_never_met_is_capacity_zero_and_never_broken_is_open():
 
 
 def test_intervals_and_cost():
-    interval = capacity.t_interval([10.0, 12.0, 11.0])
+    interval = intervals.t_interval([10.0, 12.0, 11.0])
     assert interval.value == 11.0
     assert interval.hi - interval.value == pytest.approx(4.303 * 1.0 / 3**0.5, rel=1e-3)
-    assert capacity.t_interval([3.0]) == capacity.Interval(3.0, 3.0, 3.0)
+    assert intervals.t_interval([3.0]) == intervals.Interval(3.0, 3.0, 3.0)
     # 2 GPUs at $2/h = $4/h for 1000 tokens/s = 3.6 M tokens/h: $1.11 per million.
     assert capacity.cost_per_million_tokens(2.0, 2, 1000.0) == pytest.approx(4 / 3.6)
 

@@ -282,6 +282,8 @@ def test_plan_per_backend(workdir):
         "summarize": 2,
         "figures": 2,
         "findings": 2,
+        "capacity": 6,
+        "capacity_table": 2,
         "all": 1,
     }
     measured = snakemake(workdir, "-n", "--cores", "1", "all", "--config", "backend=emulator")

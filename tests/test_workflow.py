@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 import yaml
 
-from servematrix import trace
+from servematrix import config, trace
 from tests.workflow_helpers import copy_workflow, planned_jobs, snakemake, write_config
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,16 @@ def finished_run(tmp_path_factory):
 
 def test_all_builds_every_output_of_every_study(finished_run):
     base = finished_run / "results" / "simulator"
-    assert len(list((base / "cells").rglob("*.parquet"))) == 4 + 4
+    from tests.conftest import SMALL_CONFIG
+
+    configured = [cell.path for cell in config.load(SMALL_CONFIG).all_cells()]
+    assert len(configured) == 4 + 4
+    assert all((finished_run / path).is_file() for path in configured)
+    # Every capacity probe is a cell too, next to the configured ones.
+    assert len(list((base / "cells").rglob("*.parquet"))) > len(configured)
+    for study, deployments in (("disagg", 2), ("sizes", 4)):
+        table = pl.read_parquet(base / "capacity" / f"{study}.parquet")
+        assert table.height == deployments and (table["capacity_rps"] > 0).all()
     for study, rows in (("disagg", 4), ("sizes", 4)):
         summary = pl.read_parquet(base / "summary" / f"{study}.parquet")
         assert summary.height == rows
@@ -61,7 +70,7 @@ def test_report_is_self_contained(finished_run):
 
 def test_every_rule_logs(finished_run):
     logs = finished_run / "results" / "simulator" / "logs"
-    assert len(list(logs.rglob("*.log"))) == 8 + 4 * 2
+    assert len(list(logs.rglob("*.log"))) == 8 + 4 * 2 + 6 + 2  # cells, per study, capacity
 
 
 def test_deleting_one_cell_replans_only_that_cell_and_its_aggregates(finished_run):
@@ -75,6 +84,8 @@ def test_deleting_one_cell_replans_only_that_cell_and_its_aggregates(finished_ru
             "summarize": 1,
             "figures": 1,
             "findings": 1,
+            "capacity": 1,
+            "capacity_table": 1,
             "all": 1,
         }
         assert "output: results/simulator/summary/disagg.parquet" in dry.stdout

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import numpy as np
+from servematrix.intervals import Interval, t_interval
 
 BLIND_FACTOR = 2.0
 """A blind search doubles (or halves) the rate until the SLO's edge is bracketed."""
@@ -116,37 +116,6 @@ def search(
         new += 1
     lo, hi = bracket(probes)
     return Search(lo or 0.0, hi, tuple(probes), new)
-
-
-T_975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
-)  # fmt: skip
-"""Student's t 97.5 % quantile for 1..29 degrees of freedom (``repeats`` is at most 30): the
-95 % two-sided interval, without a SciPy dependency."""
-
-
-@dataclass(frozen=True)
-class Interval:
-    """A value and its 95 % interval."""
-
-    value: float
-    lo: float
-    hi: float
-
-    def overlaps(self, other: Interval) -> bool:
-        return self.lo <= other.hi and other.lo <= self.hi
-
-
-def t_interval(values: Iterable[float]) -> Interval:
-    """Mean and 95 % Student-t interval of repeated measurements (one value: no width)."""
-    data = np.asarray(list(values), dtype=float)
-    mean = float(data.mean())
-    if len(data) < 2:
-        return Interval(mean, mean, mean)
-    half = T_975[len(data) - 2] * float(data.std(ddof=1)) / math.sqrt(len(data))
-    return Interval(mean, mean - half, mean + half)
 
 
 def capacity_interval(searches: Iterable[Search]) -> Interval:

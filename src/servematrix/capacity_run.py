@@ -22,7 +22,7 @@ from typing import Any
 
 import polars as pl
 
-from servematrix import aggregate, capacity, trace
+from servematrix import aggregate, capacity, intervals, trace
 from servematrix.cell import run_cell
 from servematrix.config import Cell, Config, workload_token
 from servematrix.files import write_text
@@ -141,7 +141,7 @@ def search_deployment(
     interval = capacity.capacity_interval(searches.values())
     at_capacity = [s.at_capacity for s in searches.values() if s.at_capacity]
     tokens = (
-        capacity.t_interval([p.output_tokens_per_s for p in at_capacity]) if at_capacity else None
+        intervals.t_interval([p.output_tokens_per_s for p in at_capacity]) if at_capacity else None
     )
     breaks = Counter(s.breaks_first[0] for s in searches.values() if s.breaks_first)
     price = settings.get("gpu_hour_usd")
