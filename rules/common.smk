@@ -70,10 +70,24 @@ def study_outputs(study):
 
 
 def capacity_outputs(study):
-    """The study's capacity table, when the config states an SLO to search against."""
+    """The study's capacity table and charts, when the config states an SLO to search against."""
     if not SB.slo.defined:
         return []
-    return [f"results/{SB.backend}/capacity/{study}.{ext}" for ext in ("parquet", "csv", "html")]
+    base = f"results/{SB.backend}"
+    return [f"{base}/capacity/{study}.{ext}" for ext in ("parquet", "csv", "html")] + [
+        f"{base}/figures/{study}/{name}.{ext}"
+        for name in ("capacity", "pareto")
+        for ext in ("svg", "html")
+    ]
+
+
+def get_overview_inputs(kind, ext):
+    """One file per study for the front page (an input function factory: kind and ext)."""
+
+    def inputs(wildcards):
+        return [f"results/{wildcards.backend}/{kind}/{study}.{ext}" for study in STUDIES]
+
+    return inputs
 
 
 def prediction_outputs(study):
@@ -94,9 +108,12 @@ def prediction_outputs(study):
 def get_final_output():
     """Every study's outputs, and every trace: a deleted trace is rebuilt, with its aggregates."""
     traces = [cell.path for cell in SB.all_cells()]
-    return traces + [
-        path for study in STUDIES for path in study_outputs(study) + prediction_outputs(study)
-    ]
+    front = [f"results/{SB.backend}/overview.html"] if SB.slo.defined else []
+    return (
+        traces
+        + [path for study in STUDIES for path in study_outputs(study) + prediction_outputs(study)]
+        + front
+    )
 
 
 def config_of(backend):

@@ -5,6 +5,7 @@ from servematrix import compare, trace
 from servematrix.files import write_text
 from servematrix.findings import Context, study_findings, to_html, to_markdown
 from servematrix.findings.recommend import caveat
+from servematrix.overview import recommendation_json
 from servematrix.workflow import log_to
 
 log_to(snakemake.log[0])
@@ -23,3 +24,4 @@ context = Context(
 findings = study_findings(summary, snakemake.params.title, snakemake.params.x, capacity, context)
 write_text(snakemake.output.md, to_markdown(findings))
 write_text(snakemake.output.html, to_html(findings))
+write_text(snakemake.output.json, recommendation_json(findings))
