@@ -98,7 +98,7 @@ def pareto_chart(summary: pl.DataFrame, capacity: pl.DataFrame, title: str) -> a
         .encode(
             x=alt.X("tokens_per_s_per_user:Q", title="output tokens/s per user (1000 / mean TPOT)"),
             y=alt.Y("tokens_per_s_per_gpu:Q", title="output tokens/s per GPU"),
-            color=alt.Color("configuration:N", legend=alt.Legend(labelLimit=0, orient="bottom")),
+            color=alt.Color("configuration:N", legend=alt.Legend(labelLimit=0)),
             detail="input:N",
             order="qps:Q",
             tooltip=[
@@ -142,7 +142,7 @@ def _vega_bundle() -> str:
 
 
 STYLE = (
-    "body{font-family:sans-serif;margin:1.5em;max-width:80em}"
+    "body{font-family:sans-serif;margin:1.5em}"
     "table{border-collapse:collapse;font-size:0.85em;margin:0.5em 0}"
     "th,td{border:1px solid #ccc;padding:0.2em 0.45em;text-align:left}th{background:#f2f2f2}"
     ".charts{display:flex;flex-wrap:wrap;gap:2em;align-items:flex-start}"

@@ -108,7 +108,9 @@ def _latency_flip(summary: pl.DataFrame, names: dict[tuple, str], winner: str, x
     if not others:
         return ""
     return (
-        f"By mean E2E latency at the study's own loads the fastest is another: {', '.join(others)}."
+        "By mean E2E latency at the study's own loads another configuration is the fastest: "
+        + ", ".join(others)
+        + "."
     )
 
 
