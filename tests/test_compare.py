@@ -284,6 +284,8 @@ def test_plan_per_backend(workdir):
         "findings": 2,
         "capacity": 6,
         "capacity_table": 2,
+        "answer_figures": 2,
+        "overview": 1,
         "all": 1,
     }
     measured = snakemake(workdir, "-n", "--cores", "1", "all", "--config", "backend=emulator")

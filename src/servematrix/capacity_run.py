@@ -92,7 +92,7 @@ def probe_cell(cell: Cell, slo: Slo) -> capacity.Probe:
     )
 
 
-def _at_rate(cell: Cell, rate_rps: float) -> Cell:
+def at_rate(cell: Cell, rate_rps: float) -> Cell:
     return replace(cell, workload=replace(cell.workload, qps=float(rate_rps)))
 
 
@@ -107,7 +107,7 @@ def search_seed(
     if hint_rps:
         known = []  # probe around the hint; the configured rates are far from the edge
     return capacity.search(
-        lambda rate: probe_cell(_at_rate(cells[0], rate), slo),
+        lambda rate: probe_cell(at_rate(cells[0], rate), slo),
         guess,
         factor,
         settings["tolerance"],
