@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from servematrix import capacity, capacity_run, config
+from servematrix.deploy.order import stop_deployments
 from servematrix.workflow import check_config
 
 
@@ -101,7 +102,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="servematrix-capacity-") as scratch:
         os.chdir(scratch)
         if args.emulator_study:
-            emulator_table(cfg, args.emulator_study)
+            try:
+                emulator_table(cfg, args.emulator_study)
+            finally:
+                stop_deployments(check_config({**cfg.raw, "backend": "emulator"}))
         else:
             simulator_table(cfg)
 

@@ -1,10 +1,12 @@
 # Capacity at the SLO: per deployment (model × mode × recipe × workload), the highest request
-# rate meeting the SLO, found by search; every probe is a cell at its usual trace path.
+# rate meeting the SLO, found by search; every probe is a cell at its usual trace path. A
+# measured run starts each search from the simulator's capacity for the same deployment.
 
 
 rule capacity:
     input:
-        get_deployment_traces,
+        traces=get_deployment_traces,
+        simulated=get_simulated_capacity,
     output:
         "results/{backend}/capacity/{recipe}/{model}/{mode}/{deployment}.json",
     log:

@@ -162,6 +162,15 @@ def get_deployment_traces(wildcards):
     return [cell.path for cell in deployment_cells(wildcards)]
 
 
+def get_simulated_capacity(wildcards):
+    """A measured run's search starts from its simulator twin's answer (rules/compare.smk)."""
+    if PREDICTED is None or wildcards.backend == PREDICTED.backend:
+        return []
+    return ["results/{}/capacity/{recipe}/{model}/{mode}/{deployment}.json".format(
+        PREDICTED.backend, **dict(wildcards.items())
+    )]
+
+
 def get_deployment_cells(wildcards):
     """The cells as JSON, so a changed setting reruns the search."""
     return json.dumps([cell.to_dict() for cell in deployment_cells(wildcards)], sort_keys=True)

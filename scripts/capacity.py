@@ -8,7 +8,10 @@ from servematrix.workflow import log_to
 
 log_to(snakemake.log[0])
 cells = [Cell.from_dict(data) for data in json.loads(snakemake.params.cells)]
-document = search_deployment(
-    cells, Slo.from_config(snakemake.params.slo), snakemake.params.settings
-)
+hint = None
+if snakemake.input.simulated:  # a measured run: probe around the simulator's capacity
+    with open(snakemake.input.simulated[0], encoding="utf-8") as simulated:
+        hint = json.load(simulated)["capacity_rps"] or None
+slo = Slo.from_config(snakemake.params.slo)
+document = search_deployment(cells, slo, snakemake.params.settings, hint)
 write_deployment(document, snakemake.output[0])

@@ -298,6 +298,9 @@ def test_plan_per_backend(workdir):
         2,
     )
     assert "results/simulator/cells/v0/" in measured.stdout
+    # Each measured search starts from its simulator twin's capacity: both are planned.
+    assert jobs["capacity"] == 2 * 6
+    assert "results/simulator/capacity/v0/" in measured.stdout
     assert "results/emulator/compare/disagg/ratios.html" in measured.stdout
     raw = copy.deepcopy(SMALL_CONFIG)
     raw["backend"] = "vllm"

@@ -105,7 +105,7 @@ def search_seed(
     guess = hint_rps or max((p.rate_rps for p in known), default=1.0)
     factor = capacity.WARM_FACTOR if hint_rps else capacity.BLIND_FACTOR
     if hint_rps:
-        known = []  # probe around the hint; the configured rates are far from the edge
+        known = []  # around the hint alone: configured rates would widen its first bracket
     return capacity.search(
         lambda rate: probe_cell(at_rate(cells[0], rate), slo),
         guess,
@@ -137,6 +137,7 @@ def search_deployment(
     searches = {
         seed: search_seed(group, slo, settings, hint_rps) for seed, group in by_seed.items()
     }
+    started_from = "simulator" if hint_rps else "blind"
     first, gpus = cells[0], gpus_of(cells[0])
     interval = capacity.capacity_interval(searches.values())
     at_capacity = [s.at_capacity for s in searches.values() if s.at_capacity]
@@ -169,6 +170,8 @@ def search_deployment(
         "probes": sum(len(s.probes) for s in searches.values()),
         "new_probes": sum(s.new_probes for s in searches.values()),
         "search_wall_s": time.monotonic() - started,
+        "started_from": started_from,
+        "simulated_capacity_rps": hint_rps,
         "searches": [
             {
                 "seed": seed,
