@@ -57,7 +57,7 @@ def simulator_table(cfg: config.Config) -> None:
     print(f"{len(seen)} deployments, {total_probes} probes (cells), {total_s:.1f} s in all")
 
 
-def emulator_table(cfg: config.Config, study: str) -> None:
+def emulator_table(cfg: config.Config, study: str, scratch: Path) -> None:
     """Blind vs simulated-then-confirmed searches on the emulator, one deployment at a time."""
     twin = check_config({**cfg.raw, "backend": "simulator"})
     measured = check_config({**cfg.raw, "backend": "emulator"})
@@ -75,7 +75,7 @@ def emulator_table(cfg: config.Config, study: str) -> None:
         row = []
         for start in (None, hint):
             # Each search in its own directory: neither reuses the other's probes.
-            workdir = Path(tempfile.mkdtemp(prefix="blind-" if start is None else "warm-"))
+            workdir = tempfile.mkdtemp(prefix="blind-" if start is None else "warm-", dir=scratch)
             os.chdir(workdir)
             started = time.perf_counter()
             found = capacity.search(
@@ -103,7 +103,7 @@ def main() -> None:
         os.chdir(scratch)
         if args.emulator_study:
             try:
-                emulator_table(cfg, args.emulator_study)
+                emulator_table(cfg, args.emulator_study, Path(scratch))
             finally:
                 stop_deployments(check_config({**cfg.raw, "backend": "emulator"}))
         else:
