@@ -101,3 +101,11 @@ def test_a_deployment_search_writes_its_probes_as_cells_and_reuses_them(
     table = capacity_run.study_table([path])
     assert table.row(0, named=True)["capacity_per_gpu"] == document["capacity_rps"] / 2
     assert json.loads((tmp_path / path).read_text())["gpus"] == 2
+
+
+def test_a_concurrency_capped_workload_has_no_capacity_search(small_config):
+    small_config["studies"]["disagg"]["workload"] = {"max_concurrency": 4}
+    cfg = config.load(small_config)
+    assert capacity_run.deployments(cfg.studies["disagg"].cells) == {}
+    assert len(capacity_run.deployments(cfg.studies["sizes"].cells)) == 4
+    assert capacity_run.study_table([]).is_empty()

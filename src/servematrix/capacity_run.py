@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -56,9 +57,14 @@ def deployment_path(cell: Cell) -> str:
 
 
 def deployments(cells: Iterable[Cell]) -> dict[str, list[Cell]]:
-    """Deployment document path → its cells (every rate and seed), in a stable order."""
+    """Deployment document path → its cells (every rate and seed), in a stable order.
+
+    A workload with ``max_concurrency`` is left out: its client holds requests back, so a
+    higher offered rate is not more load and there is no rate at which the SLO breaks."""
     found: dict[str, list[Cell]] = {}
     for cell in cells:
+        if cell.workload.max_concurrency is not None:
+            continue
         group = found.setdefault(deployment_path(cell), [])
         if cell not in group:
             group.append(cell)
@@ -101,7 +107,8 @@ def search_seed(
 ) -> capacity.Search:
     """One seed's search: the configured rates first, then from the simulator's capacity
     (``hint_rps``, steps of ``WARM_FACTOR``) or by doubling from the highest passing rate."""
-    known = [probe_cell(cell, slo) for cell in cells]
+    # qps: .inf (everything at once) is a configured point but no rate to bracket with.
+    known = [probe_cell(cell, slo) for cell in cells if math.isfinite(cell.workload.qps)]
     guess = hint_rps or max((p.rate_rps for p in known), default=1.0)
     factor = capacity.WARM_FACTOR if hint_rps else capacity.BLIND_FACTOR
     if hint_rps:

@@ -37,7 +37,9 @@ PARETO_CAPTION = (
 
 
 def _named(capacity: pl.DataFrame) -> pl.DataFrame:
-    named = capacity.with_columns(pl.Series("configuration", config_names(capacity)))
+    named = capacity.with_columns(
+        pl.Series("configuration", config_names(capacity), dtype=pl.String)
+    )
     return named.with_columns(
         (pl.col("capacity_lo_rps") / pl.col("gpus")).alias("lo_per_gpu"),
         (pl.col("capacity_hi_rps") / pl.col("gpus")).alias("hi_per_gpu"),
@@ -192,7 +194,10 @@ def recommendation_json(findings: Findings) -> str:
     """The findings' Recommendation section (empty without one), for the front page."""
     section = next(
         (s for s in findings.sections if s.title == "Recommendation"),
-        Section("Recommendation", ["No SLO is configured: no capacity to recommend by."]),
+        Section(
+            "Recommendation",
+            ["No capacity to recommend by: the workload caps concurrency (max_concurrency)."],
+        ),
     )
     return json.dumps(asdict(section), indent=1) + "\n"
 
