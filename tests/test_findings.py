@@ -522,14 +522,16 @@ def test_the_recommendation_comes_first_with_its_numbers() -> None:
         "GPU(s), 63 output tokens/s per GPU, $8.82 per million output tokens)."
     )
     assert answer.sentences[1].startswith(
-        "It carries +20% more per GPU than the runner-up nondisagg (8.75 req/s per GPU; "
+        "Per GPU it carries 20% more than the runner-up nondisagg (8.75 req/s per GPU; "
         "[10.5, 10.7] vs [8.75, 8.93] req/s per GPU; one seed"
     )
     assert answer.sentences[2] == (
         "mooncake-rdma carries the least (0.85 req/s per GPU): above 1.7 req/s its attainment "
         "breaks first (P99 TPOT is the first bound to break for 2 of 3 configurations)."
     )
-    assert "nondisagg at QPS 4 (350.0 ms)" in answer.sentences[3]  # the latency ranking flips
+    assert answer.sentences[3] == (
+        "The ranking flips by load: the lowest mean E2E latency is nondisagg at QPS 4 (350.0 ms)."
+    )
     assert answer.sentences[-1] == "Simulated, not measured."
     assert [r[1] for r in answer.tables[0].rows] == ["chunked", "nondisagg", "mooncake-rdma"]
     same = pl.DataFrame(
@@ -539,3 +541,24 @@ def test_the_recommendation_comes_first_with_its_numbers() -> None:
         pl.DataFrame([cell(n, "single", 2, 100.0) for n in "ab"]), "t", "qps", same, context
     )
     assert "are the same within noise" in tied.sections[0].sentences[1]
+
+
+def test_other_input_lengths_get_one_sentence_each() -> None:
+    capacity = pl.DataFrame(
+        [
+            capacity_row("small", "single", 7.0, gpus=1),
+            capacity_row("big", "single", 2.0, gpus=4),
+            capacity_row("small", "single", 0.5, gpus=1, input_len=4096),
+            capacity_row("big", "single", 0.45, gpus=1, input_len=4096, capacity_hi_rps=0.6),
+        ]
+    )
+    rows = [
+        cell(m, "single", n, 100.0, x="input_len") for m in ("small", "big") for n in (1024, 4096)
+    ]
+    context = Context("P99 TTFT ≤ 2000 ms", "Caveat.")
+    answer = study_findings(pl.DataFrame(rows), "t", "input_len", capacity, context).sections[0]
+    assert answer.sentences[1].startswith("Per GPU it carries 14.0× the capacity of the runner-up")
+    assert answer.sentences[3] == (
+        "At input 4096 tokens: small, 0.5 req/s per GPU, the same within noise as big "
+        "([0.45, 0.6])."
+    )

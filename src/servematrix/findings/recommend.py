@@ -50,6 +50,14 @@ def _interval_kind(rows: list[dict]) -> str:
     return "one seed: the intervals are the search's brackets, not noise estimates"
 
 
+def fmt_margin(best: float, second: float) -> str:
+    """``+20% more`` below twice the runner-up, ``8.6×`` from there."""
+    if not second:
+        return "more than"
+    ratio = best / second
+    return f"{ratio - 1:.0%} more than" if ratio < 2 else f"{ratio:.1f}× the capacity of"
+
+
 def _winner_sentences(rows: list[dict], where: str, slo: str) -> list[str]:
     best = rows[0]
     cost = best["cost_per_mtok_usd"]
@@ -57,7 +65,7 @@ def _winner_sentences(rows: list[dict], where: str, slo: str) -> list[str]:
     sentences = [
         f"At the SLO ({slo}){where}, run {best['name']}: {fmt_rate(_per_gpu(best))} req/s per "
         f"GPU ({fmt_rate(best['capacity_rps'])} req/s on {best['gpus']} GPU(s), "
-        f"{best['output_tokens_per_s_per_gpu']:,.0f} output tokens/s per GPU{priced})."
+        f"{fmt_rate(best['output_tokens_per_s_per_gpu'])} output tokens/s per GPU{priced})."
     ]
     if len(rows) < 2:
         return sentences
@@ -69,12 +77,27 @@ def _winner_sentences(rows: list[dict], where: str, slo: str) -> list[str]:
             f"({bands})."
         )
     else:
-        margin = _per_gpu(best) / _per_gpu(second) - 1 if _per_gpu(second) else float("inf")
         sentences.append(
-            f"It carries {margin:+.0%} more per GPU than the runner-up {second['name']} "
-            f"({fmt_rate(_per_gpu(second))} req/s per GPU; {bands})."
+            f"Per GPU it carries {fmt_margin(_per_gpu(best), _per_gpu(second))} the runner-up "
+            f"{second['name']} ({fmt_rate(_per_gpu(second))} req/s per GPU; {bands})."
         )
     return sentences
+
+
+def _short_winner(rows: list[dict]) -> str:
+    """Another input length's winner in one sentence."""
+    best = rows[0]
+    text = (
+        f"At input {best['input_len']} tokens: {best['name']}, {fmt_rate(_per_gpu(best))} req/s "
+        "per GPU"
+    )
+    if len(rows) > 1:
+        second = rows[1]
+        if _per_gpu(best, "_lo") <= _per_gpu(second, "_hi"):
+            text += f", the same within noise as {second['name']} ({_interval(second)})"
+        else:
+            text += f", {fmt_margin(_per_gpu(best), _per_gpu(second))} {second['name']}"
+    return text + "."
 
 
 def _loser_sentence(rows: list[dict]) -> str | None:
@@ -92,8 +115,8 @@ def _loser_sentence(rows: list[dict]) -> str | None:
 
 def _latency_flip(summary: pl.DataFrame, names: dict[tuple, str], winner: str, x: str) -> str:
     """Where another configuration has the lowest mean E2E latency at the study's own loads."""
-    others = []
-    for (xv,), part in summary.group_by([x], maintain_order=True):
+    others: dict[str, list[str]] = {}
+    for (xv,), part in summary.sort(x).group_by([x], maintain_order=True):
         part = (
             part.filter(pl.col("mean_e2el_ms").is_not_null())
             if "mean_e2el_ms" in part.columns
@@ -104,14 +127,11 @@ def _latency_flip(summary: pl.DataFrame, names: dict[tuple, str], winner: str, x
         row = part.sort("mean_e2el_ms").row(0, named=True)
         name = names.get((row["model"], row["mode"], row["input_len"]))
         if name and name != winner:
-            others.append(f"{name} at {fmt_x(x, xv)} ({fmt_ms(row['mean_e2el_ms'])})")
+            others.setdefault(name, []).append(f"{fmt_x(x, xv)} ({fmt_ms(row['mean_e2el_ms'])})")
     if not others:
         return ""
-    return (
-        "By mean E2E latency at the study's own loads another configuration is the fastest: "
-        + ", ".join(others)
-        + "."
-    )
+    listed = "; ".join(f"{name} at {', '.join(points)}" for name, points in others.items())
+    return f"The ranking flips by load: the lowest mean E2E latency is {listed}."
 
 
 def _headroom(summary: pl.DataFrame, best: dict) -> str | None:
@@ -172,10 +192,13 @@ def recommendation_section(
             .sort("capacity_per_gpu", descending=True)
             .to_dicts()
         )
-        where = f" at input {input_len} tokens" if len(lengths) > 1 else ""
         winners[input_len] = rows[0]["name"]
-        sentences += _winner_sentences(rows, where, context.slo)
         all_rows += rows
+        if input_len != lengths[0]:  # the first length in full, the others in one sentence
+            sentences.append(_short_winner(rows))
+            continue
+        where = f" at input {input_len} tokens" if len(lengths) > 1 else ""
+        sentences += _winner_sentences(rows, where, context.slo)
         loser = _loser_sentence(rows)
         sentences += [loser] if loser else []
     if len(set(winners.values())) > 1:
