@@ -21,6 +21,7 @@ include: "rules/aggregate.smk"
 include: "rules/figures.smk"
 include: "rules/report.smk"
 include: "rules/compare.smk"
+include: "rules/capacity.smk"
 
 
 if report_requested(sys.argv):

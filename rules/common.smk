@@ -4,6 +4,7 @@ import json
 import sys
 from pathlib import Path
 
+from servematrix import capacity_run
 from servematrix import config as sb_config
 from servematrix.identity import cell_identity
 from servematrix.workflow import fail_on_config_error, predicted_config, workflow_config
@@ -53,6 +54,7 @@ wildcard_constraints:
     mode=sb_config.wildcard_pattern(sb_config.MODES),
     study=sb_config.wildcard_pattern(STUDIES),
     workload=sb_config.WORKLOAD_TOKEN_PATTERN,
+    deployment=r"in\d+_out\d+_n\d+(_[A-Za-z0-9.+-]+)*",
 
 
 def study_outputs(study):
@@ -64,7 +66,29 @@ def study_outputs(study):
         *expand(f"{base}/figures/{study}/{{figure}}.{{ext}}", figure=FIGURES, ext=("svg", "html")),
         f"{base}/findings/{study}.md",
         f"{base}/findings/{study}.html",
+        *capacity_outputs(study),
     ]
+
+
+def capacity_outputs(study):
+    """The study's capacity table and charts, when the config states an SLO to search against."""
+    if not SB.slo.defined:
+        return []
+    base = f"results/{SB.backend}"
+    return [f"{base}/capacity/{study}.{ext}" for ext in ("parquet", "csv", "html")] + [
+        f"{base}/figures/{study}/{name}.{ext}"
+        for name in ("capacity", "pareto")
+        for ext in ("svg", "html")
+    ]
+
+
+def get_overview_inputs(kind, ext):
+    """One file per study for the front page (an input function factory: kind and ext)."""
+
+    def inputs(wildcards):
+        return [f"results/{wildcards.backend}/{kind}/{study}.{ext}" for study in STUDIES]
+
+    return inputs
 
 
 def prediction_outputs(study):
@@ -85,9 +109,12 @@ def prediction_outputs(study):
 def get_final_output():
     """Every study's outputs, and every trace: a deleted trace is rebuilt, with its aggregates."""
     traces = [cell.path for cell in SB.all_cells()]
-    return traces + [
-        path for study in STUDIES for path in study_outputs(study) + prediction_outputs(study)
-    ]
+    front = [f"results/{SB.backend}/overview.html"] if SB.slo.defined else []
+    return (
+        traces
+        + [path for study in STUDIES for path in study_outputs(study) + prediction_outputs(study)]
+        + front
+    )
 
 
 def config_of(backend):
@@ -139,5 +166,68 @@ def get_study_x(wildcards):
     return STUDIES[wildcards.study].x
 
 
+def deployment_cells(wildcards):
+    """Every configured cell (each rate and seed, any study) of the deployment behind a
+    capacity document's path."""
+    path = "results/{backend}/capacity/{recipe}/{model}/{mode}/{deployment}.json".format(
+        **dict(wildcards.items())
+    )
+    cells = capacity_run.deployments(config_of(wildcards.backend).all_cells()).get(path)
+    if not cells:
+        with fail_on_config_error():
+            raise sb_config.ConfigError("studies", f"no study in the config has deployment {path}")
+    return cells
+
+
+def get_deployment_traces(wildcards):
+    return [cell.path for cell in deployment_cells(wildcards)]
+
+
+def get_simulated_capacity(wildcards):
+    """A measured run's search starts from its simulator twin's answer (rules/compare.smk)."""
+    if PREDICTED is None or wildcards.backend == PREDICTED.backend:
+        return []
+    return ["results/{}/capacity/{recipe}/{model}/{mode}/{deployment}.json".format(
+        PREDICTED.backend, **dict(wildcards.items())
+    )]
+
+
+def get_deployment_cells(wildcards):
+    """The cells as JSON, so a changed setting reruns the search."""
+    return json.dumps([cell.to_dict() for cell in deployment_cells(wildcards)], sort_keys=True)
+
+
+def get_study_deployments(wildcards):
+    return capacity_run.study_deployments(config_of(wildcards.backend), wildcards.study)
+
+
+def get_findings_capacity(wildcards):
+    """The study's capacity table, when there is an SLO to search against."""
+    if not config_of(wildcards.backend).slo.defined:
+        return []
+    return [f"results/{wildcards.backend}/capacity/{wildcards.study}.parquet"]
+
+
+def get_slo_description(wildcards):
+    return SB.slo.describe()
+
+
+def get_engine_gpu(wildcards):
+    return str(SB.raw["engine"]["gpu"])
+
+
+def get_backend(wildcards):
+    return wildcards.backend
+
+
+def get_slo(wildcards):
+    return dict(SB.raw["slo"])
+
+
+def get_capacity_settings(wildcards):
+    return dict(SB.raw["capacity"])
+
+
 def get_slo_ms(wildcards):
-    return dict(SB.slo_ms)
+    """Per-request goodput bounds (servematrix.slo)."""
+    return SB.slo.per_request_ms()

@@ -1,11 +1,13 @@
-# Findings: the study's comparisons as sentences with their numbers, for the report.
+# Findings: the answer at the SLO first, then the study's comparisons as tables and sentences.
 
 
 rule findings:
     input:
-        "results/{backend}/summary/{study}.parquet",
+        summary="results/{backend}/summary/{study}.parquet",
+        capacity=get_findings_capacity,
     output:
         md="results/{backend}/findings/{study}.md",
+        json="results/{backend}/findings/{study}.json",
         html=report(
             "results/{backend}/findings/{study}.html",
             caption="../report/findings.rst",
@@ -18,5 +20,61 @@ rule findings:
     params:
         title=get_study_title,
         x=get_study_x,
+        slo=get_slo_description,
+        gpu=get_engine_gpu,
+        backend=get_backend,
     script:
         "../scripts/findings.py"
+
+
+# The front page: every study's recommendation, capacity chart and Pareto chart.
+
+
+rule answer_figures:
+    input:
+        summary="results/{backend}/summary/{study}.parquet",
+        capacity="results/{backend}/capacity/{study}.parquet",
+    output:
+        capacity=report(
+            "results/{backend}/figures/{study}/capacity.svg",
+            caption="../report/capacity.rst",
+            category="{study}",
+            subcategory="Figures",
+            labels={"study": "{study}", "item": "capacity"},
+        ),
+        pareto=report(
+            "results/{backend}/figures/{study}/pareto.svg",
+            caption="../report/pareto.rst",
+            category="{study}",
+            subcategory="Figures",
+            labels={"study": "{study}", "item": "pareto"},
+        ),
+        capacity_html="results/{backend}/figures/{study}/capacity.html",
+        pareto_html="results/{backend}/figures/{study}/pareto.html",
+    log:
+        "results/{backend}/logs/figures/{study}-answer.log",
+    params:
+        title=get_study_title,
+    script:
+        "../scripts/answer_figures.py"
+
+
+rule overview:
+    input:
+        summaries=get_overview_inputs("summary", "parquet"),
+        capacity=get_overview_inputs("capacity", "parquet"),
+        recommendations=get_overview_inputs("findings", "json"),
+    output:
+        report(
+            "results/{backend}/overview.html",
+            caption="../report/overview.rst",
+            category="Overview",
+            labels={"item": "recommendations, capacity and Pareto charts"},
+        ),
+    log:
+        "results/{backend}/logs/overview.log",
+    params:
+        names=list(STUDIES),
+        titles=[study.title for study in STUDIES.values()],
+    script:
+        "../scripts/overview.py"

@@ -14,7 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL_CONFIG: dict[str, Any] = {
     "backend": "simulator",
     "defaults": {"num_prompts": 20, "output_len": 6, "seed": 0, "warmup_requests": 1},
-    "slo_ms": {"ttft": 2000, "tpot": 100},
+    "slo": {
+        "ttft": {"statistic": "p99", "max_ms": 2000},
+        "tpot": {"statistic": "p99", "max_ms": 100},
+        "attainment": 0.9,
+    },
     "models": {
         "Qwen2.5-7B-Instruct-GPTQ-Int4": {
             "hf_id": "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",

@@ -11,11 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from servematrix import aggregate, metrics, trace
+from servematrix import aggregate, intervals, metrics, trace
 
 
-def identity(model: str = "qwen-7b", mode: str = "single", qps: float = 2.0, input_len: int = 10):
-    return trace.CellIdentity("simulator", "v1", model, mode, "random", qps, input_len, 3, 3, 0)
+def identity(
+    model: str = "qwen-7b", mode: str = "single", qps: float = 2.0, input_len: int = 10, seed=0
+):
+    return trace.CellIdentity("simulator", "v1", model, mode, "random", qps, input_len, 3, 3, seed)
 
 
 def records() -> list[trace.RequestRecord]:
@@ -103,6 +105,8 @@ def test_summary_columns_and_types(tmp_path: Path) -> None:
         *workload,
         *memory,
         *preemption,
+        *intervals.INTERVAL_COLUMNS,
+        "repeats",
         "trace",
     ]
     assert df.schema["preemptions_total"] == pl.Int64
@@ -372,3 +376,22 @@ def test_write_summary_failure_keeps_previous_outputs(
 
     assert {p: p.read_bytes() for p in (parquet, csv, html)} == before
     assert len(list(parquet.parent.iterdir())) == 3
+
+
+def test_repeats_merge_into_one_row_with_a_t_interval(tmp_path: Path) -> None:
+    paths = [write_trace(tmp_path, f"s{seed}", identity(seed=seed)) for seed in (0, 1, 2)]
+    df = aggregate.summarize(paths)
+    assert df.height == 1
+    row = df.row(0, named=True)
+    assert row["repeats"] == 3 and row["seed"] == 0
+    # Three identical traces: the mean is theirs and the interval has no width.
+    assert row["mean_ttft_ms_lo"] == row["mean_ttft_ms"] == row["mean_ttft_ms_hi"]
+
+
+def test_one_seed_gets_a_reproducible_bootstrap_interval(tmp_path: Path) -> None:
+    path = write_trace(tmp_path, "a", identity())
+    first = aggregate.summarize([path]).row(0, named=True)
+    assert first["repeats"] == 1
+    # TTFTs 100 and 200 ms: resampled means lie between them.
+    assert 100.0 <= first["mean_ttft_ms_lo"] < first["mean_ttft_ms_hi"] <= 200.0
+    assert first == aggregate.summarize([path]).row(0, named=True)

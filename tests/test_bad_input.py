@@ -128,8 +128,20 @@ ROWS: list[tuple[str, Callable[[dict], None], str]] = [
     ),
     (
         "slo-negative",
-        _set(("slo_ms", "ttft"), -5),
-        "config error at slo_ms.ttft: -5 is less than or equal to the minimum of 0",
+        _set(("slo", "ttft", "max_ms"), -5),
+        "config error at slo.ttft.max_ms: -5 is less than or equal to the minimum of 0",
+    ),
+    (
+        "slo-ms-retired",
+        _set(("slo_ms",), {"ttft": 2000}),
+        "config error at slo_ms: slo_ms is replaced by slo (per metric a statistic and a bound, "
+        "plus attainment); write slo: {ttft: {statistic: p99, max_ms: 2000}, attainment: 0.9}",
+    ),
+    (
+        "slo-statistic",
+        _set(("slo", "tpot", "statistic"), "p50"),
+        "config error at slo.tpot.statistic: 'p50' is not one of "
+        "['mean', 'median', 'p90', 'p95', 'p99']",
     ),
 ]
 

@@ -119,6 +119,10 @@ def test_a_config_of_ones_own_is_not_merged_with_the_default(workdir, how):
         "summarize": 1,
         "figures": 1,
         "findings": 1,
+        "capacity": 4,
+        "capacity_table": 1,
+        "answer_figures": 1,
+        "overview": 1,
         "all": 1,
     }
 

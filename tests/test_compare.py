@@ -280,6 +280,10 @@ def test_plan_per_backend(workdir):
         "summarize": 2,
         "figures": 2,
         "findings": 2,
+        "capacity": 6,
+        "capacity_table": 2,
+        "answer_figures": 2,
+        "overview": 1,
         "all": 1,
     }
     measured = snakemake(workdir, "-n", "--cores", "1", "all", "--config", "backend=emulator")
@@ -292,6 +296,9 @@ def test_plan_per_backend(workdir):
         2,
     )
     assert "results/simulator/cells/v0/" in measured.stdout
+    # Each measured search starts from its simulator twin's capacity: both are planned.
+    assert jobs["capacity"] == 2 * 6
+    assert "results/simulator/capacity/v0/" in measured.stdout
     assert "results/emulator/compare/disagg/ratios.html" in measured.stdout
     raw = copy.deepcopy(SMALL_CONFIG)
     raw["backend"] = "vllm"

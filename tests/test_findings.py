@@ -7,7 +7,7 @@ import math
 import polars as pl
 import pytest
 
-from servematrix.findings import Findings, study_findings, to_html, to_markdown
+from servematrix.findings import Context, Findings, study_findings, to_html, to_markdown
 
 
 def cell(
@@ -62,14 +62,20 @@ PLAIN_VS_CHUNKED = [
 ]
 
 
+def winner_rows(result: Findings) -> list[list[str]]:
+    tables = [s.tables for s in result.sections if s.title == "Lowest latency at each point"]
+    assert tables, titles(result)
+    return tables[0][0].rows
+
+
 def test_winner_at_each_x_with_margin() -> None:
-    sentences = section(findings(PLAIN_VS_CHUNKED), "Lowest latency at each point")
-    assert sentences[0] == (
-        "At QPS 2, the lowest mean TTFT is nondisagg's 100.0 ms, 20.0 ms (16.7%) below "
-        "chunked's 120.0 ms; the lowest mean TPOT is chunked's 15.0 ms, 5.0 ms (25.0%) below "
-        "nondisagg's 20.0 ms."
-    )
-    assert "At QPS 4, the lowest mean TTFT is nondisagg's 200.0 ms, 100.0 ms" in sentences[1]
+    rows = winner_rows(findings(PLAIN_VS_CHUNKED))
+    assert rows[0] == [
+        "QPS 2",
+        "nondisagg 100.0 ms, 20.0 ms (16.7%) below chunked",
+        "chunked 15.0 ms, 5.0 ms (25.0%) below nondisagg",
+    ]
+    assert rows[1][1].startswith("nondisagg 200.0 ms, 100.0 ms")
 
 
 def test_plain_vs_chunked_gap_grows() -> None:
@@ -231,7 +237,7 @@ def test_zero_and_missing_values_do_not_divide_by_zero() -> None:
     ]
     result = findings(rows)
     text = to_markdown(result)
-    assert "a and b have the same lowest mean TTFT (0.0 ms)" in text
+    assert "tie: a, b (0.0 ms)" in text
     assert "below" not in text
     assert "b at QPS 4 completed only 0 of 200 requests." in text
     assert "nan" not in text.lower()
@@ -273,7 +279,8 @@ def test_bad_input_is_named(summary: pl.DataFrame, x: str, message: str) -> None
 def test_markdown_rendering() -> None:
     text = to_markdown(findings(PLAIN_VS_CHUNKED))
     assert text.startswith(
-        "# Findings: Test study\n\n## Lowest latency at each point\n\n- At QPS 2"
+        "# Findings: Test study\n\n## Lowest latency at each point\n\n"
+        "| point | lowest mean TTFT | lowest mean TPOT |\n| --- | --- | --- |\n| QPS 2 |"
     )
     assert "\n## Plain vs chunked prefill\n" in text
 
@@ -299,11 +306,11 @@ def test_a_tie_is_never_a_win() -> None:
     result = findings(rows)
     text = to_markdown(result)
     assert "0.0 ms (0.0%)" not in text and "0.0 ms to 0.0 ms" not in text
-    winners = section(result, "Lowest latency at each point")
-    assert winners[0] == (
-        "At QPS 2, nondisagg and chunked have the same lowest mean TTFT (100.0 ms); "
-        "chunked and nondisagg have the same lowest mean TPOT (10.0 ms)."
-    )
+    assert winner_rows(result)[0] == [
+        "QPS 2",
+        "tie: nondisagg, chunked (100.0 ms)",
+        "tie: chunked, nondisagg (10.0 ms)",
+    ]
     ttft = section(result, "Plain vs chunked prefill")[0]
     assert ttft == (
         "Mean TTFT, chunked vs nondisagg: the same at QPS 2, the same at QPS 4; "
@@ -458,3 +465,100 @@ def test_modes_with_one_memory_layout_are_summed_up_once() -> None:
         "Peak KV-cache usage: nondisagg 10.0% at QPS 2, chunked 10.0% at QPS 2; nondisagg fills "
         "its cache most (10.0%).",
     ]
+
+
+def with_band(row: dict, column: str, half: float) -> dict:
+    return row | {f"{column}_lo": row[column] - half, f"{column}_hi": row[column] + half}
+
+
+def test_overlapping_intervals_are_the_same_within_noise() -> None:
+    """2 ms apart with ±3 ms intervals: no winner and no gap; ±0.5 ms: a difference."""
+    noisy = [
+        with_band(cell("m", "nondisagg", 2, 100.0), "mean_ttft_ms", 3.0),
+        with_band(cell("m", "chunked", 2, 102.0), "mean_ttft_ms", 3.0),
+    ]
+    result = findings(noisy)
+    assert winner_rows(result)[0][1] == (
+        "nondisagg, chunked: the same within noise (100.0 ms [97.0, 103.0] vs "
+        "102.0 ms [99.0, 105.0])"
+    )
+    ttft = section(result, "Plain vs chunked prefill")[0]
+    assert ttft == (
+        "Mean TTFT, chunked vs nondisagg: the same within noise (102.0 ms [99.0, 105.0] vs "
+        "100.0 ms [97.0, 103.0]) at QPS 2."
+    )
+    tight = [with_band(row, "mean_ttft_ms", 0.5) for row in noisy]
+    assert winner_rows(findings(tight))[0][1].startswith("nondisagg 100.0 ms, 2.0 ms (2.0%)")
+
+
+def capacity_row(model: str, mode: str, rate: float, gpus: int = 2, **overrides) -> dict:
+    row = {
+        "model": model, "mode": mode, "recipe": "v0", "input_len": 1024, "output_len": 6,
+        "gpus": gpus, "repeats": 1, "capacity_rps": rate, "capacity_lo_rps": rate,
+        "capacity_hi_rps": rate * 1.02, "capacity_per_gpu": rate / gpus,
+        "output_tokens_per_s_per_gpu": rate * 6 / gpus, "breaks_first": "P99 TPOT",
+        "cost_per_mtok_usd": 2.0 * gpus / 3600 / (rate * 6) * 1e6, "probes": 9,
+        "new_probes": 7, "search_wall_s": 0.2,
+    }  # fmt: skip
+    return row | overrides
+
+
+def test_the_recommendation_comes_first_with_its_numbers() -> None:
+    capacity = pl.DataFrame(
+        [
+            capacity_row("m", "chunked", 21.0),
+            capacity_row("m", "nondisagg", 17.5),
+            capacity_row("m", "mooncake-rdma", 1.7, breaks_first="attainment"),
+        ]
+    )
+    rows = PLAIN_VS_CHUNKED + [cell("m", "mooncake-rdma", q, 900.0) for q in (2, 4)]
+    rows = [r | {"mean_e2el_ms": r["mean_ttft_ms"] + 5 * r["mean_tpot_ms"]} for r in rows]
+    context = Context("P99 TTFT ≤ 2000 ms", "Simulated, not measured.")
+    result = study_findings(pl.DataFrame(rows), "Test study", "qps", capacity, context)
+    assert titles(result)[0] == "Recommendation"
+    answer = result.sections[0]
+    assert answer.sentences[0] == (
+        "At the SLO (P99 TTFT ≤ 2000 ms), run chunked: 10.5 req/s per GPU (21 req/s on 2 "
+        "GPU(s), 63 output tokens/s per GPU, $8.82 per million output tokens)."
+    )
+    assert answer.sentences[1].startswith(
+        "Per GPU it carries 20% more than the runner-up nondisagg (8.75 req/s per GPU; "
+        "[10.5, 10.7] vs [8.75, 8.93] req/s per GPU; one seed"
+    )
+    assert answer.sentences[2] == (
+        "mooncake-rdma carries the least (0.85 req/s per GPU): above 1.7 req/s its attainment "
+        "breaks first (P99 TPOT is the first bound to break for 2 of 3 configurations)."
+    )
+    assert answer.sentences[3] == (
+        "The ranking flips by load: the lowest mean E2E latency is nondisagg at QPS 4 (350.0 ms)."
+    )
+    assert answer.sentences[-1] == "Simulated, not measured."
+    assert [r[1] for r in answer.tables[0].rows] == ["chunked", "nondisagg", "mooncake-rdma"]
+    same = pl.DataFrame(
+        [capacity_row("a", "single", 10.0, capacity_hi_rps=12.0), capacity_row("b", "single", 11.0)]
+    )
+    tied = study_findings(
+        pl.DataFrame([cell(n, "single", 2, 100.0) for n in "ab"]), "t", "qps", same, context
+    )
+    assert "are the same within noise" in tied.sections[0].sentences[1]
+
+
+def test_other_input_lengths_get_one_sentence_each() -> None:
+    capacity = pl.DataFrame(
+        [
+            capacity_row("small", "single", 7.0, gpus=1),
+            capacity_row("big", "single", 2.0, gpus=4),
+            capacity_row("small", "single", 0.5, gpus=1, input_len=4096),
+            capacity_row("big", "single", 0.45, gpus=1, input_len=4096, capacity_hi_rps=0.6),
+        ]
+    )
+    rows = [
+        cell(m, "single", n, 100.0, x="input_len") for m in ("small", "big") for n in (1024, 4096)
+    ]
+    context = Context("P99 TTFT ≤ 2000 ms", "Caveat.")
+    answer = study_findings(pl.DataFrame(rows), "t", "input_len", capacity, context).sections[0]
+    assert answer.sentences[1].startswith("Per GPU it carries 14.0× the capacity of the runner-up")
+    assert answer.sentences[3] == (
+        "At input 4096 tokens: small, 0.5 req/s per GPU, the same within noise as big "
+        "([0.45, 0.6])."
+    )

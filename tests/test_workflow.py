@@ -9,7 +9,8 @@ import polars as pl
 import pytest
 import yaml
 
-from servematrix import trace
+from servematrix import config, trace
+from servematrix.config import load
 from tests.workflow_helpers import copy_workflow, planned_jobs, snakemake, write_config
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,16 @@ def finished_run(tmp_path_factory):
 
 def test_all_builds_every_output_of_every_study(finished_run):
     base = finished_run / "results" / "simulator"
-    assert len(list((base / "cells").rglob("*.parquet"))) == 4 + 4
+    from tests.conftest import SMALL_CONFIG
+
+    configured = [cell.path for cell in config.load(SMALL_CONFIG).all_cells()]
+    assert len(configured) == 4 + 4
+    assert all((finished_run / path).is_file() for path in configured)
+    # Every capacity probe is a cell too, next to the configured ones.
+    assert len(list((base / "cells").rglob("*.parquet"))) > len(configured)
+    for study, deployments in (("disagg", 2), ("sizes", 4)):
+        table = pl.read_parquet(base / "capacity" / f"{study}.parquet")
+        assert table.height == deployments and (table["capacity_rps"] > 0).all()
     for study, rows in (("disagg", 4), ("sizes", 4)):
         summary = pl.read_parquet(base / "summary" / f"{study}.parquet")
         assert summary.height == rows
@@ -61,7 +71,8 @@ def test_report_is_self_contained(finished_run):
 
 def test_every_rule_logs(finished_run):
     logs = finished_run / "results" / "simulator" / "logs"
-    assert len(list(logs.rglob("*.log"))) == 8 + 4 * 2
+    # cells, five per study, the searches and their tables, the front page
+    assert len(list(logs.rglob("*.log"))) == 8 + 5 * 2 + 6 + 2 + 1
 
 
 def test_deleting_one_cell_replans_only_that_cell_and_its_aggregates(finished_run):
@@ -75,6 +86,10 @@ def test_deleting_one_cell_replans_only_that_cell_and_its_aggregates(finished_ru
             "summarize": 1,
             "figures": 1,
             "findings": 1,
+            "capacity": 1,
+            "capacity_table": 1,
+            "answer_figures": 1,
+            "overview": 1,
             "all": 1,
         }
         assert "output: results/simulator/summary/disagg.parquet" in dry.stdout
@@ -84,19 +99,26 @@ def test_deleting_one_cell_replans_only_that_cell_and_its_aggregates(finished_ru
 
 
 def test_adding_a_qps_value_plans_only_the_new_cells(finished_run):
+    """Only the new cells run (a capacity probe already at that rate is reused as the cell),
+    then that study's aggregates and its two capacity searches."""
     config = yaml.safe_load((finished_run / "config" / "config.yaml").read_text())
     original = copy.deepcopy(config)
     config["studies"]["disagg"]["qps"] = [2, 4, 6]
     write_config(finished_run, config)
+    new = [c.path for c in load(config).studies["disagg"].cells if c.workload.qps == 6]
     try:
         dry = snakemake(finished_run, "-n", "--cores", "1", "all")
         assert dry.returncode == 0, dry.stderr
         assert planned_jobs(dry) == {
-            "cell": 2,
+            "cell": sum(not (finished_run / path).is_file() for path in new),
             "step_time_sources": 1,
             "summarize": 1,
             "figures": 1,
             "findings": 1,
+            "capacity": 2,
+            "capacity_table": 1,
+            "answer_figures": 1,
+            "overview": 1,
             "all": 1,
         }
     finally:
@@ -136,6 +158,10 @@ def test_default_config_plans_every_study(tmp_path, default_config):
         "summarize": 6,
         "figures": 6,
         "findings": 6,
+        "capacity": 32,
+        "capacity_table": 6,
+        "answer_figures": 6,
+        "overview": 1,
         "all": 1,
     }
 

@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from servematrix import metrics, trace
+from servematrix import intervals, metrics, trace
 from servematrix.files import atomic_path
 
 SORT_KEYS = ("model", "mode", "input_len", "qps")
@@ -96,6 +96,8 @@ def _summary_schema() -> dict[str, pl.DataType]:
         **WORKLOAD_COLUMNS,
         **MEMORY_COLUMNS,
         **PREEMPTION_COLUMNS,
+        **intervals.INTERVAL_COLUMNS,
+        "repeats": pl.Int64(),
         "trace": pl.String(),
     }
 
@@ -109,10 +111,12 @@ def summarize(
     """One row per trace: its cell identity, every `CellMetrics` field and its path.
 
     Rows are sorted by model, mode, input_len, qps. A malformed trace raises `trace.TraceError`
-    and one without usable requests `metrics.MetricsError`; both name the file.
+    and one without usable requests `metrics.MetricsError`; both name the file. Repeats of a
+    point (its seeds) are merged into one row with 95 % intervals (`intervals.merge_repeats`).
     """
     rows = [summary_row(path, slo_ms) for path in trace_paths]
-    return pl.LazyFrame(rows, schema=SUMMARY_SCHEMA).sort(SORT_KEYS).collect()
+    cells = pl.DataFrame(rows, schema=SUMMARY_SCHEMA)
+    return intervals.merge_repeats(cells).sort(SORT_KEYS)
 
 
 def summary_row(
@@ -131,8 +135,17 @@ def summary_row(
         **{name: workload.get(name) for name in WORKLOAD_COLUMNS},
         **{name: memory_use.get(name) for name in MEMORY_COLUMNS},
         **preemption_summary(table),
+        **dict.fromkeys(intervals.INTERVAL_COLUMNS),
+        **intervals.bootstrap_columns(metrics.latencies_of(_served(table))),
+        "repeats": 1,
         "trace": os.fspath(path),
     }
+
+
+def _served(table: pa.Table) -> pl.DataFrame:
+    """The measured, successful requests (those `metrics.compute` takes latencies of)."""
+    frame = pl.from_arrow(table.select(list(metrics.REQUIRED_COLUMNS)))
+    return frame.filter(~pl.col("warmup") & pl.col("success")).sort("request_id")
 
 
 def preemption_summary(table: pa.Table) -> dict[str, Any]:
@@ -181,12 +194,14 @@ def write_summary(
     csv_path: str | os.PathLike[str],
     html_path: str | os.PathLike[str],
     title: str,
+    columns: Sequence[tuple[str, str]] = HTML_COLUMNS,
 ) -> None:
     """Write the summary three ways; each target appears complete or not at all.
 
     Everything is written to temporary files first and renamed only when all three succeeded.
+    ``columns`` are the HTML table's (column, header) pairs.
     """
-    page = render_html(df, title)
+    page = render_html(df, title, columns)
     rounded = df.with_columns(pl.selectors.float().round(CSV_DECIMALS))
     _write_all(
         [
@@ -197,9 +212,11 @@ def write_summary(
     )
 
 
-def render_html(df: pl.DataFrame, title: str) -> str:
+def render_html(
+    df: pl.DataFrame, title: str, columns: Sequence[tuple[str, str]] = HTML_COLUMNS
+) -> str:
     """A self-contained page (no external CSS or JS) with the key columns of the summary."""
-    columns = [(name, header) for name, header in HTML_COLUMNS if name in df.columns]
+    columns = [(name, header) for name, header in columns if name in df.columns]
     head = "".join(f"<th>{html.escape(header)}</th>" for _, header in columns)
     body = "\n".join(
         "<tr>" + "".join(_html_cell(row[name]) for name, _ in columns) + "</tr>"

@@ -6,6 +6,7 @@ here from one validated config, so a bad config stops the workflow before any jo
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from servematrix.slo import Slo, replacement_for_slo_ms
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 RECIPES = ("v0", "v1")
@@ -182,7 +185,7 @@ class Config:
     raw: Mapping[str, Any]
     models: Mapping[str, ModelSpec]
     studies: Mapping[str, Study]
-    slo_ms: Mapping[str, float]
+    slo: Slo
 
     def all_cells(self) -> list[Cell]:
         """Every distinct cell of every study, in a stable order (a shared cell once)."""
@@ -363,13 +366,13 @@ def _study(
         for mode in data["modes"]:
             for input_len in data["input_len"]:
                 _check_fits(base, settings, input_len)
-                for qps in data["qps"]:
+                for qps, seed in itertools.product(data["qps"], seeds(settings)):
                     workload = Workload(
                         qps=float(qps),
                         input_len=input_len,
                         output_len=settings["output_len"],
                         num_prompts=settings["num_prompts"],
-                        seed=settings["seed"],
+                        seed=seed,
                         dataset=settings["dataset"],
                         burstiness=float(settings["burstiness"]),
                         warmup_requests=settings["warmup_requests"],
@@ -402,6 +405,11 @@ def _study(
         x=data["x"],
         cells=tuple(cells),
     )
+
+
+def seeds(settings: Mapping[str, Any]) -> range:
+    """The seeds of a point's repeats: ``seed`` .. ``seed + repeats - 1`` (each its own cell)."""
+    return range(settings["seed"], settings["seed"] + settings.get("repeats", 1))
 
 
 def _check_workload_settings(
@@ -475,6 +483,8 @@ def _check_shared_cells(studies: Mapping[str, Study]) -> None:
 
 def load(raw: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) -> Config:
     """Validate a config mapping (as Snakemake loaded it) and expand its studies."""
+    if "slo_ms" in raw:
+        raise ConfigError("slo_ms", replacement_for_slo_ms(raw["slo_ms"]))
     data = validate_schema(json.loads(json.dumps(raw)), schema_path)
     models = {name: _model_spec(name, spec) for name, spec in data["models"].items()}
     studies = {name: _study(name, spec, data, models) for name, spec in data["studies"].items()}
@@ -487,7 +497,7 @@ def load(raw: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) -> Config:
         raw=data,
         models=models,
         studies=studies,
-        slo_ms=dict(data["slo_ms"]),
+        slo=Slo.from_config(data["slo"]),
     )
 
 

@@ -1,0 +1,106 @@
+"""Study findings: the answer first (a recommendation at the configured SLO), then the
+comparisons the published studies drew, as tables and sentences with numbers.
+
+Nothing here knows a study by name. Which comparisons are made depends only on what the
+summary contains: several modes are compared within each model (plain vs chunked prefill, RDMA
+vs TCP, aggregated vs disaggregated when those modes are present); several models of one mode
+are ranked against each other. Every number is computed from the summary and the capacity
+table. Modules: ``common`` (metrics, groups, formats), ``recommend`` (the answer), ``compare``
+(configurations against each other), ``health`` (limits and the harness), ``render``.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from servematrix.aggregate import check_one_row_per_point
+from servematrix.findings.common import (
+    MEAN_TPOT,
+    MEAN_TTFT,
+    P99_ITL,
+    P99_TPOT,
+    P99_TTFT,
+    REQUIRED,
+    Findings,
+    Section,
+    groups,
+)
+from servematrix.findings.compare import (
+    disaggregation_section,
+    models_section,
+    pair_section,
+    winner_section,
+)
+from servematrix.findings.health import (
+    health_section,
+    memory_section,
+    preemption_section,
+    saturation_section,
+)
+from servematrix.findings.recommend import Context, recommendation_section
+from servematrix.findings.render import to_html, to_markdown
+
+__all__ = ["Context", "Findings", "Section", "study_findings", "to_html", "to_markdown"]
+
+
+def _check(summary: pl.DataFrame, x: str) -> None:
+    if x not in ("qps", "input_len"):
+        raise ValueError(f"x must be 'qps' or 'input_len', got {x!r}")
+    missing = [c for c in REQUIRED if c not in summary.columns]
+    if missing:
+        raise ValueError(f"study summary lacks column(s): {', '.join(missing)}")
+    check_one_row_per_point(summary, x)
+
+
+def _clean(summary: pl.DataFrame) -> pl.DataFrame:
+    """NaN or infinite metrics (no successful request) are treated as missing values.
+
+    ``achieved_qps`` keeps its infinity: it means every request went out at one instant; so
+    do ``qps`` and ``scheduled_qps`` (``qps: inf``, every request scheduled at t = 0).
+    """
+    keep = ("qps", "scheduled_qps", "achieved_qps")
+    floats = [c for c, t in summary.schema.items() if t.is_float() and c not in keep]
+    return summary.with_columns(
+        pl.when(pl.col(c).is_finite()).then(pl.col(c)).alias(c) for c in floats
+    )
+
+
+def study_findings(
+    summary: pl.DataFrame,
+    title: str,
+    x: str,
+    capacity: pl.DataFrame | None = None,
+    context: Context | None = None,
+) -> Findings:
+    """Turn one study's summary (and its capacity table, with the SLO and caveat of
+    ``context``) into sections: the recommendation first, then tables and sentences."""
+    _check(summary, x)
+    if summary.is_empty():
+        return Findings(title, x, [Section("No data", ["The study summary has no cells."])])
+    summary = _clean(summary)
+    gs = groups(summary, x)
+    series = [c for c in ("model", "mode") if summary[c].n_unique() > 1] or ["model"]
+    answer = None
+    if capacity is not None and context is not None:
+        answer = recommendation_section(summary, capacity, x, context)
+    sections = [
+        answer,
+        winner_section(gs),
+        pair_section(
+            "Plain vs chunked prefill", "nondisagg", "chunked", [MEAN_TTFT, P99_TPOT, P99_ITL], gs
+        ),
+        pair_section(
+            "Mooncake RDMA vs TCP",
+            "mooncake-rdma",
+            "mooncake-tcp",
+            [MEAN_TTFT, P99_TTFT, MEAN_TPOT],
+            gs,
+        ),
+        disaggregation_section(gs),
+        models_section(gs),
+        memory_section(gs),
+        saturation_section(summary, x, series),
+        preemption_section(summary, x, series),
+        health_section(summary, x, series),
+    ]
+    return Findings(title, x, [s for s in sections if s and (s.sentences or s.tables)])

@@ -1,0 +1,54 @@
+"""Findings as Markdown and as a self-contained HTML page (every text escaped)."""
+
+from __future__ import annotations
+
+import html
+
+from servematrix.findings.common import Findings, Table
+
+
+def _markdown_table(table: Table) -> list[str]:
+    def row(cells: list[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    return [row(table.header), row(["---"] * len(table.header)), *map(row, table.rows), ""]
+
+
+def to_markdown(findings: Findings) -> str:
+    lines = [f"# Findings: {findings.title}", ""]
+    for section in findings.sections:
+        lines += [f"## {section.title}", ""]
+        if section.sentences:
+            lines += [f"- {sentence}" for sentence in section.sentences]
+            lines.append("")
+        for table in section.tables:
+            lines += _markdown_table(table)
+    return "\n".join(lines)
+
+
+def html_table(table: Table) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in table.header)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table.rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def to_html(findings: Findings) -> str:
+    """A self-contained page (no external resources), every text escaped."""
+    body = [f"<h1>Findings: {html.escape(findings.title)}</h1>"]
+    for section in findings.sections:
+        body.append(f"<h2>{html.escape(section.title)}</h2>")
+        if section.sentences:
+            body.append("<ul>")
+            body += [f"<li>{html.escape(s)}</li>" for s in section.sentences]
+            body.append("</ul>")
+        body += [html_table(table) for table in section.tables]
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f"<title>Findings: {html.escape(findings.title)}</title>\n"
+        "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto;line-height:1.5}"
+        "h2{margin-top:1.5em}table{border-collapse:collapse;font-size:0.9em}"
+        "th,td{border:1px solid #ccc;padding:0.25em 0.5em;text-align:left}</style>\n"
+        "</head>\n<body>\n" + "\n".join(body) + "\n</body>\n</html>\n"
+    )

@@ -1,0 +1,111 @@
+"""The capacity search (pure logic) and one deployment's search on the simulator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from servematrix import capacity, capacity_run, config, intervals
+from servematrix.capacity import Probe
+from servematrix.slo import Slo
+
+
+def edge_probe(edge_rps: float, calls: list[float]):
+    def probe(rate: float) -> Probe:
+        calls.append(rate)
+        met = rate <= edge_rps
+        return Probe(rate, met, () if met else ("P99 TTFT",), rate * 6, "")
+
+    return probe
+
+
+@pytest.mark.parametrize("edge", [0.37, 5.3, 41.0])
+def test_blind_search_brackets_then_bisects_to_the_tolerance(edge):
+    calls: list[float] = []
+    found = capacity.search(edge_probe(edge, calls), 1.0, tolerance=0.02, max_probes=40)
+    assert found.capacity_rps <= edge < found.failing_rps
+    assert found.failing_rps - found.capacity_rps <= 0.02 * found.capacity_rps + 0.01
+    assert found.breaks_first == ("P99 TTFT",)
+    assert len(calls) == found.new_probes == len(set(calls))
+
+
+def test_a_search_from_a_close_hint_needs_fewer_probes():
+    blind, warm = [], []
+    capacity.search(edge_probe(5.3, blind), 1.0, capacity.BLIND_FACTOR, max_probes=40)
+    found = capacity.search(edge_probe(5.3, warm), 4.9, capacity.WARM_FACTOR, max_probes=40)
+    assert found.capacity_rps <= 5.3 < found.failing_rps
+    assert len(warm) < len(blind)
+
+
+def test_known_probes_count_and_the_probe_budget_holds():
+    calls: list[float] = []
+    known = [Probe(2.0, True, (), 12, ""), Probe(8.0, False, ("attainment",), 40, "")]
+    found = capacity.search(edge_probe(5.3, calls), 1.0, max_probes=5, known=known)
+    assert len(found.probes) == 5 and found.new_probes == 3
+    assert all(2.0 < rate < 8.0 for rate in calls)
+
+
+def test_never_met_is_capacity_zero_and_never_broken_is_open():
+    never = capacity.search(edge_probe(0.0, []), 1.0, max_probes=40)
+    assert never.capacity_rps == 0.0 and never.failing_rps == capacity.MIN_RATE_RPS
+    always = capacity.search(edge_probe(1e9, []), 1.0, max_probes=40)
+    assert always.failing_rps is None and always.capacity_rps == capacity.MAX_RATE_RPS
+
+
+def test_intervals_and_cost():
+    interval = intervals.t_interval([10.0, 12.0, 11.0])
+    assert interval.value == 11.0
+    assert interval.hi - interval.value == pytest.approx(4.303 * 1.0 / 3**0.5, rel=1e-3)
+    assert intervals.t_interval([3.0]) == intervals.Interval(3.0, 3.0, 3.0)
+    # 2 GPUs at $2/h = $4/h for 1000 tokens/s = 3.6 M tokens/h: $1.11 per million.
+    assert capacity.cost_per_million_tokens(2.0, 2, 1000.0) == pytest.approx(4 / 3.6)
+
+
+def test_slo_check_names_the_bound_furthest_over_first():
+    slo = Slo.from_config(
+        {
+            "ttft": {"statistic": "p99", "max_ms": 100},
+            "tpot": {"statistic": "mean", "max_ms": 10},
+            "attainment": 0.9,
+        }
+    )
+    row = {"p99_ttft_ms": 150.0, "mean_tpot_ms": 30.0, "good_fraction": 0.95}
+    assert slo.check(row).broken == ("mean TPOT", "P99 TTFT")
+    assert slo.check({**row, "p99_ttft_ms": 90, "mean_tpot_ms": 9}).met
+    assert slo.check({"p99_ttft_ms": 1, "mean_tpot_ms": 1, "good_fraction": 0.5}).broken == (
+        "attainment",
+    )
+    assert slo.per_request_ms() == {"ttft": 100.0, "tpot": 10.0}
+
+
+def test_a_deployment_search_writes_its_probes_as_cells_and_reuses_them(
+    small_config, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    cfg = config.load(small_config)
+    path, cells = next(iter(capacity_run.deployments(cfg.studies["disagg"].cells).items()))
+    model = "Qwen2.5-7B-Instruct-GPTQ-Int4"
+    assert path == f"results/simulator/capacity/v0/{model}/nondisagg/in1024_out6_n20.json"
+    settings = {"tolerance": 0.05, "max_probes": 12, "gpu_hour_usd": 2.0}
+    document = capacity_run.search_deployment(cells, cfg.slo, settings)
+    probes = document["searches"][0]["probes"]
+    assert [p["rate_rps"] for p in probes[:2]] == [2.0, 4.0]  # the configured cells first
+    assert all((tmp_path / p["trace"]).is_file() for p in probes)
+    assert document["capacity_rps"] > 0 and document["cost_per_mtok_usd"] > 0
+    capacity_run.write_deployment(document, path)
+    written = {p["trace"]: (tmp_path / p["trace"]).stat().st_mtime_ns for p in probes}
+    again = capacity_run.search_deployment(cells, cfg.slo, settings)
+    assert again["searches"] == document["searches"]
+    assert {t: (tmp_path / t).stat().st_mtime_ns for t in written} == written  # reused, not rerun
+    table = capacity_run.study_table([path])
+    assert table.row(0, named=True)["capacity_per_gpu"] == document["capacity_rps"] / 2
+    assert json.loads((tmp_path / path).read_text())["gpus"] == 2
+
+
+def test_a_concurrency_capped_workload_has_no_capacity_search(small_config):
+    small_config["studies"]["disagg"]["workload"] = {"max_concurrency": 4}
+    cfg = config.load(small_config)
+    assert capacity_run.deployments(cfg.studies["disagg"].cells) == {}
+    assert len(capacity_run.deployments(cfg.studies["sizes"].cells)) == 4
+    assert capacity_run.study_table([]).is_empty()

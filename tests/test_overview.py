@@ -1,0 +1,86 @@
+"""The report's front page: its content, and that a real headless Chromium draws its charts.
+
+The browser test fails (never skips) without Chromium: `make test` installs it when missing.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import polars as pl
+import pytest
+
+from servematrix import browser
+from servematrix.findings.common import Section, Table
+from servematrix.overview import StudyPage, capacity_chart, overview_html, pareto_chart
+
+CAPACITY = pl.DataFrame(
+    {
+        "model": ["m", "m"],
+        "mode": ["chunked", "nondisagg"],
+        "input_len": [1024, 1024],
+        "gpus": [2, 2],
+        "capacity_rps": [21.0, 17.5],
+        "capacity_lo_rps": [21.0, 17.5],
+        "capacity_hi_rps": [21.2, 17.8],
+        "capacity_per_gpu": [10.5, 8.75],
+        "breaks_first": ["P99 TPOT", "P99 TPOT"],
+    }
+)
+SUMMARY = pl.DataFrame(
+    {
+        "model": ["m"] * 4,
+        "mode": ["chunked", "chunked", "nondisagg", "nondisagg"],
+        "input_len": [1024] * 4,
+        "qps": [2.0, 4.0, 2.0, 4.0],
+        "mean_tpot_ms": [8.0, 9.0, 8.5, 10.0],
+        "output_throughput": [12.0, 24.0, 12.0, 24.0],
+    }
+)
+
+
+def page(n_studies: int = 2) -> str:
+    answer = Section("Recommendation", ["Run chunked."], [Table(["rank"], [["1"]])])
+    pages = [
+        StudyPage(
+            f"s{i}",
+            f"Study <{i}>",
+            answer,
+            capacity_chart(CAPACITY, "t"),
+            pareto_chart(SUMMARY, CAPACITY, "t"),
+        )
+        for i in range(n_studies)
+    ]
+    return overview_html(pages, "front page")
+
+
+def test_the_page_holds_every_study_its_table_and_captioned_charts():
+    text = page(3)
+    assert text.count("<figcaption>") == 6 and text.count("vegaEmbed('#") == 6
+    assert "Study &lt;1&gt;" in text and "<td>1</td>" in text
+    assert not re.search(r"<script[^>]+src=", text)  # Vega is inlined: no network to view it
+
+
+def png_size(path) -> tuple[int, int]:
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", header[16:24])
+
+
+@pytest.mark.slow
+def test_chromium_renders_every_chart_of_the_front_page(tmp_path):
+    html = tmp_path / "overview.html"
+    html.write_text(page(2), encoding="utf-8")
+    dom = browser.rendered_dom(html)
+    # vega-embed draws each chart as an <svg class="marks"> once its script has run.
+    assert len(re.findall(r'<svg[^>]*class="marks"', dom)) == 4
+    assert dom.count("<path") > 20  # bars, whiskers, lines: drawn marks, not empty frames
+    shot = browser.screenshot(html, tmp_path / "overview.png", 1200, 900)
+    assert png_size(shot) == (1200, 900)
+
+
+def test_a_missing_chromium_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(browser, "CHROMIUM", "chromium-that-is-not-installed")
+    with pytest.raises(browser.BrowserError, match="not found: apt-get install -y chromium"):
+        browser.rendered_dom(tmp_path / "x.html")
