@@ -110,7 +110,8 @@ def assert_accepted_or_one_line(path: Path, capsys) -> config.Config | None:
         assert len(err.splitlines()) == 1, err
         assert err.startswith("servematrix: config error at "), err
         return None
-    assert err == ""
+    # An accepted config may only be warned about (a roofline step-time fallback, once per setup).
+    assert all(line.startswith("servematrix: warning: ") for line in err.splitlines()), err
     cfg = config.load_file(path)
     paths = [cell.path for cell in cfg.all_cells()]
     assert len(set(paths)) == len(paths)
