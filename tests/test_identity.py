@@ -36,7 +36,7 @@ SMALL = "Qwen2.5-7B-Instruct-GPTQ-Int4"
         ("simulator", {"engine__gpu": "H100-SXM5-80GB"}, True),
         ("simulator", {"ports__single": 9000}, False),
         ("simulator", {"deploy__startup_timeout_s": 5}, False),
-        ("simulator", {"slo_ms__ttft": 5}, False),
+        ("simulator", {"slo__ttft__max_ms": 5}, False),
         ("emulator", {"engine__gpu": "H100-SXM5-80GB"}, True),
         ("emulator", {"ports__single": 9000}, True),  # in the server's command line
         ("emulator", {"deploy__host": "0.0.0.0"}, True),

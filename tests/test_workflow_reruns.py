@@ -121,7 +121,7 @@ CHANGES = [
         REPLAY,
     ),
     (f"models.{SMALL}.gpus: [[1], [5]]", _set(f"models.{SMALL}.gpus", [[1], [5]]), NONE),
-    ("slo_ms.ttft: 1000", _set("slo_ms.ttft", 1000), NONE),
+    ("slo.ttft.max_ms: 1000", _set("slo.ttft.max_ms", 1000), NONE),
     ("studies.sizes.title", _set("studies.sizes.title", "Sizes"), NONE),
     ("ports.proxy: 9090", _set("ports.proxy", 9090), NONE),
     ("deploy.startup_timeout_s: 60", _set("deploy.startup_timeout_s", 60), NONE),
