@@ -17,21 +17,22 @@ defined, and the design's trace schema everywhere:
   ``max_concurrency`` a request then waits for a free slot, in schedule order, as
   ``vllm bench serve --max-concurrency``; ``sent_s`` is when it is actually sent, so the send lag
   then includes that wait.
-- The response bytes are read as they arrive and timestamped before any parsing (`StreamParser`);
-  openai's own stream would build a pydantic object per chunk first.
-- A chunk counts when its first choice has non-empty text (vLLM 0.6's rule): its arrival time
-  goes into ``chunk_s`` and the growth of ``usage.completion_tokens`` since the previous counted
-  chunk into ``chunk_tokens`` (1 when the server sends no continuous usage). ``end_s`` is the
-  last counted chunk, not ``[DONE]`` (vLLM's current E2EL).
+- The response bytes are read as they arrive and timestamped before any parsing
+  (`servematrix.sse.StreamParser`); openai's own stream would build a pydantic object per chunk
+  first. Every chunk with ``choices`` is a token event, empty text included (vLLM 0.33's rule;
+  vLLM 0.6's client skipped empty-text chunks: see ``servematrix.sse``): its arrival time goes
+  into ``chunk_s`` and its share of ``usage.completion_tokens`` into ``chunk_tokens``.
+  ``end_s`` is the last token event, not ``[DONE]`` (vLLM's current E2EL).
 - ``prompt_tokens``/``completion_tokens`` are the server's last usage; a server that sends none
-  gets the planned input length and the number of counted tokens instead.
+  gets the planned input length and the number of token events instead.
 - Warm-up requests go one at a time before t = 0, so their times are negative. Then up to
   ``PREOPEN_CONNECTIONS`` connections are opened (concurrent ``GET /health``), so connection
   set-up is not inside the TTFT of the first requests that overlap.
-- Success is HTTP 200, at least one counted chunk and a stream that ends with ``[DONE]``. Any
-  failure (HTTP status, error event in the stream, dropped connection, timeout, a stream
-  without a token or cut before ``[DONE]``) is a row with ``success = False`` and the error
-  text; the chunks that did arrive are kept; the run continues.
+- Success is HTTP 200, a stream that ends with ``[DONE]`` and at least one completion token: a
+  completed request is never a failed row. Any failure (HTTP status, error event in the
+  stream, dropped connection, timeout, a stream without a token or cut before ``[DONE]``) is a
+  row with ``success = False`` and the error text; the chunks that did arrive are kept; the
+  run continues.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ import openai
 from openai import AsyncOpenAI, AsyncStream
 from openai.types import Completion
 
+from servematrix.sse import HTTPStatusError, StreamParser, record, status_message
 from servematrix.trace import RequestRecord
 
 if TYPE_CHECKING:
@@ -245,86 +247,6 @@ class Progress:
             self.report()
 
 
-class StreamParser:
-    """One request's stream, parsed incrementally, in monotonic seconds (converted at the end).
-
-    Chunks are timestamped when their bytes arrive, before any parsing: the per-chunk work the
-    client adds to a measured time is one ``time.monotonic()`` call. Lines are SSE ``data:``
-    fields, one JSON event each (vLLM never splits an event over several lines); other lines
-    (comments, keep-alives, blank separators) are skipped.
-    """
-
-    __slots__ = (
-        "_buffer",
-        "_counted",
-        "chunk_s",
-        "chunk_tokens",
-        "completion_tokens",
-        "done",
-        "error",
-        "prompt_tokens",
-        "sent",
-    )
-
-    def __init__(self) -> None:
-        self.sent = 0.0
-        self.chunk_s: list[float] = []
-        self.chunk_tokens: list[int] = []
-        self.prompt_tokens: int | None = None
-        self.completion_tokens: int | None = None
-        self.error: str | None = None
-        self.done = False  # [DONE] seen
-        self._buffer = b""
-        self._counted = 0  # completion tokens already attributed to a counted chunk
-
-    def feed(self, data: bytes, arrived: float) -> None:
-        lines = (self._buffer + data).split(b"\n")
-        self._buffer = lines.pop()
-        for line in lines:
-            if line.startswith(b"data:"):
-                self._event(line[5:].strip(), arrived)
-
-    def _event(self, payload: bytes, arrived: float) -> None:
-        if payload == b"[DONE]":
-            self.done = True
-            return
-        event = json.loads(payload)
-        if "error" in event:  # a failure after the 200 header: one error event, then [DONE]
-            error = event["error"]
-            message = error.get("message", error) if isinstance(error, dict) else error
-            self.error = f"error in stream: {message}"
-            return
-        choices = event.get("choices")
-        usage = event.get("usage")
-        if choices and choices[0].get("text"):
-            self.chunk_s.append(arrived)
-            if usage is None:  # no continuous usage: count the chunk as one token
-                self.chunk_tokens.append(1)
-                self._counted += 1
-            else:
-                self.chunk_tokens.append(usage["completion_tokens"] - self._counted)
-                self._counted = usage["completion_tokens"]
-        if usage is not None:
-            self.prompt_tokens = usage["prompt_tokens"]
-            self.completion_tokens = usage["completion_tokens"]
-
-
-class _HTTPStatus(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(f"HTTP {status}: {' '.join(message.split())[:500]}")
-
-
-def _status_message(status: int, text: str) -> _HTTPStatus:
-    """vLLM's error body (0.33 nested, 0.6 flat) reduced to its message."""
-    try:
-        body = json.loads(text)
-        error = body.get("error", body) if isinstance(body, dict) else body
-        message = error.get("message", text) if isinstance(error, dict) else str(error)
-    except ValueError:
-        message = text
-    return _HTTPStatus(status, str(message) or "(empty body)")
-
-
 class _AiohttpSender:
     """POST the precomputed body on the run's one aiohttp session; feed the bytes as they come."""
 
@@ -337,7 +259,7 @@ class _AiohttpSender:
         feed = out.feed
         async with self.session.post(self.url, data=body, headers=headers) as response:
             if response.status != 200:
-                raise _status_message(response.status, await response.text(errors="replace"))
+                raise status_message(response.status, await response.text(errors="replace"))
             async for data in response.content.iter_any():
                 feed(data, monotonic())
 
@@ -377,7 +299,7 @@ class _OpenAISender:
                 stream_cls=_Response,
             )
         except openai.APIStatusError as error:
-            raise _HTTPStatus(error.status_code, _error_message(error)) from None
+            raise HTTPStatusError(error.status_code, _error_message(error)) from None
         response = stream.response
         try:
             async for data in response.aiter_raw():
@@ -410,17 +332,13 @@ async def _stream(
             await send(body, headers, out)
     except TimeoutError:
         out.error = f"timed out after {timeout_s:g} s"
-    except _HTTPStatus as error:
+    except HTTPStatusError as error:
         out.error = str(error)
     except (aiohttp.ClientError, openai.APIConnectionError, httpx2.TransportError) as error:
         out.error = f"connection error: {_describe(_root_cause(error))}"
     except Exception as error:  # the row records it; one bad request never stops the cell
         out.error = _describe(error)
-    if out.error is None:
-        if not out.chunk_s:
-            out.error = "stream ended without a token"
-        elif not out.done:
-            out.error = "stream ended before [DONE]"
+    out.finish()
     if out.sent == 0.0:
         out.sent = time.monotonic()
     return out
@@ -444,29 +362,6 @@ def _root_cause(error: BaseException) -> BaseException:
 def _describe(error: BaseException) -> str:
     text = " ".join(str(error).split())  # one line, whatever the library put in its message
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def _record(
-    spec: RequestSpec, raw: StreamParser, origin: float, scheduled_s: float | None = None
-) -> RequestRecord:
-    chunk_s = [t - origin for t in raw.chunk_s]
-    tokens = sum(raw.chunk_tokens)
-    return RequestRecord(
-        request_id=spec.request_id,
-        warmup=spec.warmup,
-        scheduled_s=spec.scheduled_s if scheduled_s is None else scheduled_s,
-        sent_s=raw.sent - origin,
-        first_token_s=chunk_s[0] if chunk_s else None,
-        end_s=chunk_s[-1] if chunk_s else None,
-        chunk_s=chunk_s,
-        chunk_tokens=raw.chunk_tokens,
-        prompt_tokens=raw.prompt_tokens if raw.prompt_tokens is not None else spec.input_len,
-        completion_tokens=raw.completion_tokens if raw.completion_tokens is not None else tokens,
-        success=raw.error is None,
-        error=raw.error,
-        request_input_len=spec.input_len,
-        request_output_len=spec.output_len,
-    )
 
 
 def _session(max_in_flight: int) -> aiohttp.ClientSession:
@@ -684,8 +579,8 @@ async def _run(
         if progress is not None:
             reporter.cancel()
             progress.close()
-    records = [_record(spec, raw, origin, scheduled_s=raw.sent - origin) for spec, raw in warm]
-    records += [_record(spec, results[spec.request_id], origin) for spec in measured]
+    records = [record(spec, raw, origin, scheduled_s=raw.sent - origin) for spec, raw in warm]
+    records += [record(spec, results[spec.request_id], origin) for spec in measured]
     records.sort(key=lambda r: r.request_id)
     return RunResult(records, origin, prefix, settings.client)
 

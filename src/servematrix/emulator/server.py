@@ -37,6 +37,13 @@ from servematrix.engine.admission import (
 )
 from servematrix.workload import TokenCounter
 
+EMPTY_TEXT_FRACTION = 0.02
+"""Real vLLM streams a token whose text is ``""`` when the token is a special token or a
+partial UTF-8 character (the rest of the character comes with the next one). How often depends
+on the tokenizer and the text: rare in English with a BPE tokenizer, every second request on
+the random-weight test model. The emulator sends one chunk in 50 that way, so every client and
+proxy path it tests meets them; the usage counts are unchanged."""
+
 
 @dataclass
 class Faults:
@@ -72,6 +79,11 @@ class ServerSettings:
     """The API server's serial work per request (``HostCost.request_ms``): the engine queues
     requests through it, except one arriving with its prompt's KV (a KV consumer's), on whose
     path to the engine it is added with ``api_latency_ms``, as in the simulator."""
+    vocab_size: int | None = None
+    """The model's vocabulary: a prompt id beyond it gets vLLM's 400 (None: not checked)."""
+    empty_text_fraction: float = EMPTY_TEXT_FRACTION
+    """The share of streamed chunks sent with ``"text": ""``, drawn per chunk from a stream
+    seeded by the seed and the response id (see ``EMPTY_TEXT_FRACTION``)."""
 
 
 @dataclass
@@ -339,6 +351,10 @@ class Emulator:
             granted = granted_max_tokens(self.settings.recipe, tokens, max_tokens, limit, is_text)
         except ContextLengthError as error:
             raise RequestError(error.status, error.message, param=error.param) from None
+        vocab = self.settings.vocab_size
+        if not is_text and vocab is not None and max(prompt) > vocab - 1:
+            # After the length check, as vLLM's input processor does (renderers/base.py).
+            raise RequestError(400, f"Token id {max(prompt)} is out of vocabulary")
         return tokens, granted
 
     def _error(self, error: RequestError) -> web.Response:
@@ -393,6 +409,8 @@ class Emulator:
         fingerprint = self.settings.fingerprint
         sent = 0
         drop_after = self.settings.faults.drop_after_chunks if drop else None
+        empty = random.Random(f"{self.settings.faults.seed}:{head['id']}")
+        empty_fraction = self.settings.empty_text_fraction
         while sent < total:
             await stream.wait(sent)
             due = stream.due_s
@@ -400,6 +418,8 @@ class Emulator:
             if ready == sent:  # finished early: aborted by the engine side
                 break
             text = "".join(f" t{i}" for i in range(sent, ready))
+            if empty.random() < empty_fraction:
+                text = ""  # a special token or a partial character, as vLLM streams them
             last = ready == total
             counts = wire.usage(recipe, prompt_tokens, ready, chunk=True) if continuous else None
             chunk = wire.token_chunk(
