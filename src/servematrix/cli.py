@@ -29,8 +29,11 @@ def _check(args: argparse.Namespace) -> int:
         print(f"{name}: {len(study.cells)} cells ({study.recipe}, x = {study.x})")
     print(f"{len(cfg.all_cells())} distinct cells on backend {cfg.backend}")
     gpus = config.gpus_needed(cfg)
-    node = cfg.raw.get("node", {}).get("gpus", config.DEFAULT_NODE_GPUS)
-    print(f"GPUs pinned: {', '.join(map(str, gpus))} (of {node} on the node)")
+    if cfg.raw.get("node", {}).get("kind") == "cpu":
+        print(f"CPU cores pinned: {', '.join(map(str, gpus))}")
+    else:
+        node = cfg.raw.get("node", {}).get("gpus", config.DEFAULT_NODE_GPUS)
+        print(f"GPUs pinned: {', '.join(map(str, gpus))} (of {node} on the node)")
     return 0
 
 

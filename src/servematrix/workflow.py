@@ -12,6 +12,7 @@ from typing import Any
 from servematrix import config, preflight
 from servematrix.cell import check_backend
 from servematrix.config import ConfigError
+from servematrix.deploy import command
 
 DEFAULT_CONFIGFILE = "config/config.yaml"
 
@@ -21,6 +22,7 @@ def check_config(raw: Mapping[str, Any], schema_path: Path = config.SCHEMA_PATH)
     cfg = config.load(raw, schema_path)
     preflight.check(cfg)
     check_backend(cfg.backend)
+    command.check(dict(cfg.raw))
     return cfg
 
 
