@@ -188,3 +188,37 @@ def test_tree_rss_counts_every_process_of_a_session():
         "single": 12,
         "proxy": 13,
     }
+
+
+@pytest.mark.parametrize(
+    ("log", "reason"),
+    [
+        (
+            "usage: api_server.py [-h] ...\n"
+            "api_server.py: error: unrecognized arguments: --bogus-flag\n",
+            "api_server.py: error: unrecognized arguments: --bogus-flag",
+        ),
+        (
+            "(APIServer pid=1) INFO 12-01 20:35:21 [utils.py:1] starting\n"
+            "Traceback (most recent call last):\n"
+            '  File "x.py", line 1, in <module>\n'
+            "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+            "  Value error, User-specified max_model_len (99999) is greater than the derived "
+            "max_model_len (4096). [type=value_error]\n"
+            "    For further information visit https://errors.pydantic.dev/2.12/v/value_error\n",
+            "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig: "
+            "Value error, User-specified max_model_len (99999) is greater than the derived "
+            "max_model_len (4096). [type=value_error]",
+        ),
+        ("INFO ready\nINFO shutting down\n", None),
+    ],
+)
+def test_the_servers_own_error_is_found_in_its_log(tmp_path, log, reason):
+    from servematrix.deploy.supervise import server_error
+
+    path = tmp_path / "single.log"
+    path.write_text("=== earlier run\nValueError: old: not this one\n")
+    start = path.stat().st_size
+    with open(path, "a") as handle:
+        handle.write(log)
+    assert server_error(path, start) == reason

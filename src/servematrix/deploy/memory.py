@@ -38,6 +38,9 @@ The result goes into the trace metadata under ``memory``; ``peak_gpu_memory_mib`
   ``kv_block_size_tokens``;
 * emulator and simulator: ``peak_kv_blocks``, the most blocks in use per instance (instance
   order; prefill then decode when disaggregated);
+* vllm and emulator: ``server_tokens``, per instance, how much its ``/metrics`` token counters
+  (``generation_tokens``, ``prompt_tokens``) grew over the cell, warm-ups included: the
+  server's own count beside the trace's usage;
 * emulator: ``peak_kv_error`` instead when an instance could not say its peak (then
   ``peak_kv_cache_usage`` is the highest sample, as on vllm).
 """
@@ -143,6 +146,42 @@ def simulated(
         "peak_gpu_memory_mib": round(modelled_gpu_mib(gpu, gpu_memory_utilization), 1),
         "peak_kv_cache_usage": max(peak_kv_blocks) / kv.num_blocks,
     }
+
+
+TOKEN_COUNTERS = {
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+}
+COUNTER_SETTLE_S = 0.5
+
+
+def token_counters(base: str) -> dict[str, float]:
+    """An instance's token counters from its ``/metrics`` (absent ones are left out)."""
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as response:
+            text = response.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        key = TOKEN_COUNTERS.get(line.split("{", 1)[0].split(" ", 1)[0])
+        if key is not None:
+            counts[key] = counts.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def _settled_counters(bases: dict[str, str], timeout_s: float = 5.0) -> dict[str, dict]:
+    """Every instance's counters once two reads ``COUNTER_SETTLE_S`` apart agree: vLLM counts a
+    request's tokens just after it sends them."""
+    deadline = time.monotonic() + timeout_s
+    last = {name: token_counters(base) for name, base in bases.items()}
+    while time.monotonic() < deadline:
+        time.sleep(COUNTER_SETTLE_S)
+        now = {name: token_counters(base) for name, base in bases.items()}
+        if now == last:
+            break
+        last = now
+    return last
 
 
 def process_groups(state: dict[str, Any]) -> dict[str, int]:
@@ -263,12 +302,18 @@ def sampled(
         result["peak_kv_error"] = f"{type(error).__name__}: {error}"
         exact = False
     sessions = {n: g for n, g in (groups or {}).items() if n in bases} if cpu else {}
+    counted = {name: token_counters(base) for name, base in bases.items()}
     sampler = _Sampler(plan, nvml, sessions)
     sampler.thread.start()
     try:
         yield result
     finally:
         sampler.finish()
+        after = _settled_counters(bases)
+        result["server_tokens"] = {
+            name: {k: after[name][k] - counted[name][k] for k in after[name] if k in counted[name]}
+            for name in bases
+        }
         _fill(result, sampler, backend, cpu, modelled_gpu, gpu_memory_utilization)
         if exact:
             _emulator_peaks(bases, result)
