@@ -308,7 +308,13 @@ class Emulator:
                 message = f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}."
                 raise RequestError(404, message, "NotFoundError", "model")
             raise RequestError(404, f"The model `{model}` does not exist.", "NotFoundError")
-        if body.get("stream_options") is not None and not body.get("stream"):
+        if recipe == "v1" and body.get("stream_options") and not body.get("stream"):
+            raise RequestError(
+                400,
+                "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+                param="stream_options",
+            )
+        if recipe == "v0" and body.get("stream_options") is not None and not body.get("stream"):
             raise RequestError(400, "Stream options can only be defined when `stream=True`.")
         return body
 
@@ -321,6 +327,8 @@ class Emulator:
         """Prompt tokens and the output length, with vLLM's context-length rules (§4,
         ``servematrix.engine.admission``, shared with the simulator)."""
         prompt = _single_prompt(body)
+        if prompt == [] and self.settings.recipe == "v1":  # an empty batch of prompts
+            raise RequestError(400, "You must pass at least one prompt")
         if prompt is None or prompt == "" or prompt == []:
             raise RequestError(
                 400, "Either prompt or prompt_embeds must be provided and non-empty."
@@ -341,11 +349,7 @@ class Emulator:
             not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
         ):
             raise RequestError(
-                400,
-                "1 validation error:\n  max_tokens: Input should be a valid integer, "
-                f"got {max_tokens!r}",
-                "Bad Request",
-                "body.max_tokens",
+                400, _integer_error("body.max_tokens", max_tokens), "Bad Request", "body.max_tokens"
             )
         try:
             granted = granted_max_tokens(self.settings.recipe, tokens, max_tokens, limit, is_text)
@@ -456,6 +460,24 @@ class Emulator:
         if self.settings.recipe != "v1" or self.settings.kv_role == "kv_producer":
             return None
         return log.kv_transfer_params
+
+
+def _integer_error(loc: str, value: Any) -> str:
+    """A pydantic integer error as vLLM's validation handler writes it (one error dict)."""
+    if isinstance(value, str):
+        kind, msg = (
+            "int_parsing",
+            "Input should be a valid integer, unable to parse string as an integer",
+        )
+    elif isinstance(value, float):
+        kind, msg = (
+            "int_from_float",
+            "Input should be a valid integer, got a number with a fractional part",
+        )
+    else:
+        kind, msg = "int_type", "Input should be a valid integer"
+    error = {"type": kind, "loc": loc, "msg": msg, "input": value}
+    return f"1 validation error:\n  {error}"
 
 
 def _single_prompt(body: dict[str, Any]) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 from typing import Any
 
@@ -38,9 +39,25 @@ def system_fingerprint(tensor_parallel: int, config_text: str) -> str:
     return f"vllm-{VERSIONS['v1']}{tp}-{digest}"
 
 
+_PATHS = (
+    re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+"),
+    re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+"),
+)
+
+
+def sanitize_message(message: str) -> str:
+    """vLLM's V1 error responses replace file paths by ``<path>`` (its
+    ``exception_handling.utils.sanitize_message``): a local model's directory included."""
+    for pattern in _PATHS:
+        message = pattern.sub("<path>", message)
+    return message.strip()
+
+
 def error_body(recipe: str, message: str, kind: str, code: int, param: str | None = None) -> str:
-    """0.33 nests the error object; 0.6 writes it flat (§4, §11.1)."""
+    """0.33 nests the error object (paths in its message sanitized); 0.6 writes it flat
+    (§4, §11.1)."""
     if recipe == "v1":
+        message = sanitize_message(message)
         return dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
     return dumps(
         {"object": "error", "message": message, "type": kind, "param": param, "code": code}
