@@ -44,12 +44,11 @@ import logging
 import os
 import resource
 import secrets
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -58,6 +57,9 @@ import openai
 from openai import AsyncOpenAI, AsyncStream
 from openai.types import Completion
 
+from servematrix import prompts
+from servematrix.progress import Progress
+from servematrix.prompts import encode_body
 from servematrix.sse import HTTPStatusError, StreamParser, record, status_message
 from servematrix.trace import RequestRecord
 
@@ -127,11 +129,18 @@ class ClientSettings:
     ready_timeout_s: float = 600.0
     ignore_eos: bool = True
     client: str = "aiohttp"  # or "openai": see CLIENTS
+    prompt_format: str = "auto"  # see prompts.PROMPT_FORMATS
+    tokenizer: str | None = None  # decodes id prompts to text (default: the model's)
 
     def __post_init__(self) -> None:
         self.base_url = normalize_base_url(self.base_url)
         if self.client not in CLIENTS:
             raise LoadgenError(f"client must be one of {', '.join(CLIENTS)}, got {self.client!r}")
+        if self.prompt_format not in prompts.PROMPT_FORMATS:
+            raise LoadgenError(
+                f"prompt_format must be one of {', '.join(prompts.PROMPT_FORMATS)}, "
+                f"got {self.prompt_format!r}"
+            )
         if not self.model:
             raise LoadgenError("model name is empty")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -153,6 +162,9 @@ class RunResult:
     origin_monotonic_s: float  # the time.monotonic() value that is t = 0 of the records
     request_id_prefix: str = ""  # X-Request-Id is f"{request_id_prefix}-{request_id}"
     client: str = "aiohttp"  # ClientSettings.client
+    prompts: dict[str, Any] = field(default_factory=lambda: {"format": "ids"})
+    """How prompts went out: ids, or text (the tokenizer, and the server's prompt_tokens
+    minus the planned length, ``prompts.input_len_difference``)."""
 
     def metadata(self) -> dict[str, Any]:
         """The trace metadata entries that belong to the client."""
@@ -161,6 +173,7 @@ class RunResult:
             "client": {
                 "request_id_prefix": self.request_id_prefix,
                 "client": self.client,
+                "prompts": self.prompts,
                 "aiohttp": _version("aiohttp"),
                 "openai": openai.__version__,
             },
@@ -172,79 +185,6 @@ def _version(package: str) -> str | None:
         return importlib_metadata.version(package)
     except importlib_metadata.PackageNotFoundError:
         return None
-
-
-def encode_body(spec: RequestSpec, settings: ClientSettings) -> bytes:
-    """The JSON body of one streaming completion request, as sent on the wire."""
-    body = {
-        "model": settings.model,
-        "prompt": spec.prompt,
-        "max_tokens": spec.output_len,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        "ignore_eos": settings.ignore_eos,
-    }
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-class Progress:
-    """Done / failed / elapsed / achieved rate of the measured requests.
-
-    On a terminal: one line on stderr, redrawn a few times a second. Otherwise: a log line every
-    ``log_interval_s``. Requests only bump counters; a periodic task does the printing.
-    """
-
-    def __init__(
-        self,
-        total: int,
-        stream: TextIO | None = None,
-        tty: bool | None = None,
-        log_interval_s: float = 5.0,
-    ):
-        self.total = total
-        self.done = 0
-        self.failed = 0
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = self.stream.isatty() if tty is None else tty
-        self.interval_s = 0.2 if self.tty else log_interval_s
-        self._start = time.monotonic()
-
-    def finished(self, success: bool) -> None:
-        self.done += 1
-        self.failed += not success
-
-    def start(self) -> None:
-        self._start = time.monotonic()
-
-    def line(self) -> str:
-        elapsed = time.monotonic() - self._start
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        return (
-            f"{self.done}/{self.total} done, {self.failed} failed, "
-            f"{elapsed:.1f} s, {rate:.2f} req/s"
-        )
-
-    def report(self) -> None:
-        if self.tty:
-            width = 20
-            filled = width * self.done // max(self.total, 1)
-            bar = "#" * filled + "-" * (width - filled)
-            self.stream.write(f"\r[{bar}] {self.line()}\x1b[K")
-            self.stream.flush()
-        else:
-            log.info("requests: %s", self.line())
-
-    def close(self) -> None:
-        self.report()
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            self.report()
 
 
 class _AiohttpSender:
@@ -333,7 +273,7 @@ async def _stream(
     except TimeoutError:
         out.error = f"timed out after {timeout_s:g} s"
     except HTTPStatusError as error:
-        out.error = str(error)
+        out.error, out.status = str(error), error.status
     except (aiohttp.ClientError, openai.APIConnectionError, httpx2.TransportError) as error:
         out.error = f"connection error: {_describe(_root_cause(error))}"
     except Exception as error:  # the row records it; one bad request never stops the cell
@@ -474,16 +414,21 @@ def _check_model(settings: ClientSettings, status: int, body: bytes) -> None:
         )
 
 
-async def run_requests(
-    settings: ClientSettings, requests: Sequence[RequestSpec], progress: Progress | None = None
-) -> RunResult:
-    """Wait for the server, run the warm-ups one by one, then the measured requests on time."""
-    warmups = [r for r in requests if r.warmup]
-    measured = sorted((r for r in requests if not r.warmup), key=lambda r: r.scheduled_s)
-    if not measured:
-        raise LoadgenError("no measured requests to send")
-    prefix = secrets.token_hex(4)
-    # Everything that grows with the prompt happens here, before the clock starts.
+def _as_text(
+    requests: Sequence[RequestSpec], settings: ClientSettings
+) -> tuple[list[RequestSpec], dict[str, Any]]:
+    try:
+        converted, tokenizer = prompts.as_text(requests, settings.tokenizer or settings.model)
+    except prompts.PromptError as error:
+        raise LoadgenError(str(error)) from None
+    return converted, {"format": "text", "tokenizer": tokenizer}
+
+
+def _encode(
+    requests: Sequence[RequestSpec], settings: ClientSettings, prefix: str
+) -> tuple[dict[int, bytes], dict[int, dict[str, str]]]:
+    """Every body and header set, encoded before the clock starts (nothing on the event loop
+    grows with the prompt at send time)."""
     bodies = {r.request_id: encode_body(r, settings) for r in requests}
     common = {"Content-Type": "application/json", "Authorization": f"Bearer {_api_key()}"}
     if settings.client == "openai":  # the SDK adds its own
@@ -491,7 +436,25 @@ async def run_requests(
     headers = {
         r.request_id: {**common, "X-Request-Id": f"{prefix}-{r.request_id}"} for r in requests
     }
-    max_in_flight = min(settings.max_concurrency or len(measured), len(measured))
+    return bodies, headers
+
+
+async def run_requests(
+    settings: ClientSettings, requests: Sequence[RequestSpec], progress: Progress | None = None
+) -> RunResult:
+    """Wait for the server, run the warm-ups one by one, then the measured requests on time.
+
+    A warm-up the server refuses with a 4xx stops the run (LoadgenError with the server's
+    reason), unless it refuses token-id prompts and ``prompt_format`` is ``auto``: then the
+    prompts go out as text (see ``servematrix.prompts``) from the warm-up on."""
+    if not any(not r.warmup for r in requests):
+        raise LoadgenError("no measured requests to send")
+    prefix = secrets.token_hex(4)
+    how: dict[str, Any] = {"format": "ids"}
+    if settings.prompt_format == "text":
+        requests, how = _as_text(requests, settings)
+    bodies, headers = _encode(requests, settings, prefix)
+    max_in_flight = min(settings.max_concurrency or len(requests), len(requests))
     _raise_file_limit(max_in_flight + 64)
     timeout_s = settings.request_timeout_s
     async with _session(max_in_flight) as session:
@@ -508,32 +471,55 @@ async def run_requests(
         gc.collect()
         gc.freeze()
         try:
-            warm: list[tuple[RequestSpec, StreamParser]] = []
-            await _warm_up(send, warmups, bodies, headers, timeout_s, warm)
+            warm, refused = await _warm_up(send, requests, bodies, headers, timeout_s)
+            ids = any(isinstance(r.prompt, list) for r in requests)
+            if (
+                refused
+                and settings.prompt_format == "auto"
+                and ids
+                and prompts.refuses_ids(refused)
+            ):
+                log.warning("the server refuses token-id prompts (%s); sending text", refused)
+                requests, how = _as_text(requests, settings)
+                bodies, headers = _encode(requests, settings, prefix)
+                warm, refused = await _warm_up(send, requests, bodies, headers, timeout_s)
+            if refused:
+                raise LoadgenError(
+                    f"the server at {settings.server_root} refused the warm-up request "
+                    f"({refused}); no measured request was sent"
+                )
+            measured = sorted((r for r in requests if not r.warmup), key=lambda r: r.scheduled_s)
             await send.open_connections(ready_url, min(max_in_flight, PREOPEN_CONNECTIONS))
-            return await _run(
+            result = await _run(
                 send, settings, warm, measured, bodies, headers, timeout_s, prefix, progress
             )
         finally:
             gc.unfreeze()
             if openai_client is not None:
                 await openai_client.close()
+    if how["format"] == "text":
+        how["input_len_difference"] = prompts.input_len_difference(result.records)
+    result.prompts = how
+    return result
 
 
 async def _warm_up(
     send: Sender,
-    warmups: list[RequestSpec],
+    requests: Sequence[RequestSpec],
     bodies: dict[int, bytes],
     headers: dict[int, dict[str, str]],
     timeout_s: float,
-    warm: list[tuple[RequestSpec, StreamParser]],
-) -> None:
-    """The warm-up requests, one at a time; appended to ``warm``."""
-    for spec in warmups:
+) -> tuple[list[tuple[RequestSpec, StreamParser]], str | None]:
+    """The warm-up requests, one at a time, until one is refused with a 4xx (then its error)."""
+    warm: list[tuple[RequestSpec, StreamParser]] = []
+    for spec in (r for r in requests if r.warmup):
         raw = await _stream(send, bodies[spec.request_id], headers[spec.request_id], timeout_s)
         warm.append((spec, raw))
+        if raw.status is not None and 400 <= raw.status < 500:
+            return warm, raw.error
         if raw.error:
             log.warning("warm-up request %d failed: %s", spec.request_id, raw.error)
+    return warm, None
 
 
 async def _run(

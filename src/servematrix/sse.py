@@ -46,6 +46,7 @@ class StreamParser:
         "error",
         "prompt_tokens",
         "sent",
+        "status",
     )
 
     def __init__(self) -> None:
@@ -56,6 +57,7 @@ class StreamParser:
         self.completion_tokens: int | None = None
         self.error: str | None = None
         self.done = False  # [DONE] seen
+        self.status: int | None = None  # an HTTP status other than 200, when refused
         self._buffer = b""
         self._counted = 0  # completion tokens already attributed to a token event
 
