@@ -17,7 +17,7 @@ import pytest
 
 from servematrix import config
 from tests.vllm.conftest import MARK, marked_env, marked_processes, ports_in_use, vllm_config
-from tests.workflow_helpers import copy_workflow
+from tests.workflow_helpers import cell_job, copy_workflow, start_snakemake
 
 
 def _run_cell(workdir: Path, cfg: dict[str, Any], timeout: float = 600):
@@ -104,17 +104,6 @@ def _state(workdir: Path) -> dict[str, Any]:
     return json.loads(states[0].read_text()) if states else {}
 
 
-def _cell_job(workdir: Path) -> int:
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes()
-            if b"run_cell.py" in cmd and Path(os.readlink(proc / "cwd")) == workdir:
-                return int(proc.name)
-        except (OSError, ValueError):
-            continue
-    raise AssertionError("no cell job running")
-
-
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "server killed"])
 def test_interrupted_in_the_middle_of_a_cell(vllm_cpu, tmp_path, how):
     _, model = vllm_cpu
@@ -122,15 +111,7 @@ def test_interrupted_in_the_middle_of_a_cell(vllm_cpu, tmp_path, how):
     workdir = copy_workflow(tmp_path, cfg)
     cell = config.load(cfg).all_cells()[0].path
     env = marked_env()
-    run = subprocess.Popen(
-        [sys.executable, "-m", "snakemake", "--cores", "1", cell],
-        cwd=workdir,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,  # its own group: "Ctrl-C" reaches snakemake and its job only
-    )
+    run = start_snakemake(workdir, cell, env)
     try:
         deadline = time.monotonic() + 300
         while _state(workdir).get("status") != "ready":
@@ -139,7 +120,7 @@ def test_interrupted_in_the_middle_of_a_cell(vllm_cpu, tmp_path, how):
             time.sleep(0.5)
         time.sleep(5)  # requests in flight
         if how == "SIGTERM":  # what Snakemake or SLURM sends a job it cancels
-            os.kill(_cell_job(workdir), signal.SIGTERM)
+            os.kill(cell_job(workdir), signal.SIGTERM)
         elif how == "Ctrl-C":
             os.killpg(run.pid, signal.SIGINT)
         else:  # the API server dies (its EngineCore and Worker are left to the supervisor)
