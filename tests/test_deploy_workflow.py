@@ -27,7 +27,7 @@ from servematrix import config
 from servematrix.deploy.recipes import plan
 from servematrix.deploy.supervise import port_problem
 from servematrix.engine.hardware import gpu_spec
-from tests.workflow_helpers import copy_workflow
+from tests.workflow_helpers import cell_job, copy_workflow, start_snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -309,18 +309,6 @@ def test_a_request_failure_inside_a_cell_is_a_row(tmp_path):
     _assert_clean(workdir, cfg)
 
 
-def _cell_job(workdir: Path) -> int:
-    """The pid of the Snakemake job running scripts/run_cell.py in ``workdir``."""
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes()
-            if b"run_cell.py" in cmd and Path(os.readlink(proc / "cwd")) == workdir:
-                return int(proc.name)
-        except (OSError, ValueError):
-            continue
-    raise AssertionError("no cell job running")
-
-
 def _pid_with(text: str) -> int:
     """The pid of the live process whose command line contains ``text``."""
     for proc in Path("/proc").iterdir():
@@ -341,14 +329,7 @@ def test_interrupted_in_the_middle_of_a_cell(tmp_path, how):
     cfg = _config([mode], [2], num_prompts=400)  # ~200 s of requests
     workdir = copy_workflow(tmp_path, cfg)
     cell = config.load(cfg).all_cells()[0].path
-    run = subprocess.Popen(
-        [sys.executable, "-m", "snakemake", "--cores", "1", cell],
-        cwd=workdir,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own group: "Ctrl-C" reaches snakemake and its job only
-    )
+    run = start_snakemake(workdir, cell)
     log = workdir / cell.replace("/cells/", "/logs/").replace(".parquet", ".log")
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -362,7 +343,7 @@ def test_interrupted_in_the_middle_of_a_cell(tmp_path, how):
     if how == "SIGTERM":
         # What Snakemake (or SLURM) does to a job it cancels: SIGTERM to the cell's process.
         # (SIGTERM to Snakemake itself only makes it wait for the running job to finish.)
-        os.kill(_cell_job(workdir), signal.SIGTERM)
+        os.kill(cell_job(workdir), signal.SIGTERM)
     elif how == "Ctrl-C":
         os.killpg(run.pid, signal.SIGINT)
     elif how == "SIGINT to Snakemake":  # kill -INT: Snakemake alone, not its jobs

@@ -112,10 +112,10 @@ USAGE_CHUNK = (
 def test_parser_times_chunks_by_arrival_and_counts_tokens_from_usage():
     stream = (
         _chunk(" a", 1)
-        + _chunk("", 2)  # a token without text (partial UTF-8): merged into the next chunk
-        + _chunk(" bc", 3)
-        + _chunk(" d", 4, finish="length")
-        + USAGE_CHUNK
+        + _chunk("", 2)  # a token without text (partial UTF-8): a token event all the same
+        + _chunk(" bc", 4)  # two tokens in one chunk (the API server lagged)
+        + _chunk(" d", 5, finish="length")
+        + USAGE_CHUNK.replace(b"9,", b"10,").replace(b":4}", b":5}")
         + b"data: [DONE]\n\n"
     )
     parser = StreamParser()
@@ -123,11 +123,42 @@ def test_parser_times_chunks_by_arrival_and_counts_tokens_from_usage():
     cuts = [0, 10, len(_chunk(" a", 1)) + 3, 300, 420, len(stream)]
     for i, (start, end) in enumerate(itertools.pairwise(cuts)):
         parser.feed(stream[start:end], float(i))
-    assert parser.chunk_tokens == [1, 2, 1]
-    assert len(parser.chunk_s) == 3 and parser.chunk_s[0] == 1.0
+    assert parser.chunk_tokens == [1, 1, 2, 1]
+    assert len(parser.chunk_s) == 4 and parser.chunk_s[0] == 1.0
     assert parser.chunk_s == sorted(parser.chunk_s)
-    assert (parser.prompt_tokens, parser.completion_tokens) == (5, 4)
+    assert (parser.prompt_tokens, parser.completion_tokens) == (5, 5)
+    parser.finish()
     assert parser.done and parser.error is None
+
+
+def test_a_completed_stream_of_empty_texts_is_a_success():
+    """Real vLLM (a random-weight model writes special tokens) streams chunks whose text is all
+    empty: vLLM 0.6's client rule called 49 of 100 such requests "stream ended without a token";
+    every chunk with choices is a token event, and [DONE] with tokens is a success."""
+    stream = b"".join(_chunk("", n) for n in range(1, 5)) + USAGE_CHUNK + b"data: [DONE]\n\n"
+    parser = StreamParser()
+    for i, line in enumerate(stream.split(b"\n\n")[:-1]):
+        parser.feed(line + b"\n\n", float(i))
+    parser.finish()
+    assert parser.error is None
+    assert parser.chunk_s == [0.0, 1.0, 2.0, 3.0] and parser.chunk_tokens == [1, 1, 1, 1]
+    assert parser.tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("stream", "error"),
+    [
+        # vLLM 0.6 ignoring a prompt its cache can never hold: a finish chunk, no token.
+        (_chunk("", 0, finish="length") + b"data: [DONE]\n\n", "stream ended without a token"),
+        (USAGE_CHUNK.replace(b":4}", b":0}") + b"data: [DONE]\n\n", "stream ended without a token"),
+        (_chunk(" a", 1), "stream ended before [DONE]"),
+    ],
+)
+def test_a_stream_without_tokens_or_done_is_a_failure(stream, error):
+    parser = StreamParser()
+    parser.feed(stream, 0.0)
+    parser.finish()
+    assert parser.error == error
 
 
 def test_parser_without_usage_counts_one_token_per_chunk_and_accepts_crlf():

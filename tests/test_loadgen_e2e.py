@@ -373,3 +373,16 @@ def test_environment_proxies_are_ignored():
         )
     assert done.stdout.strip() == "ready", done.stderr
     assert json.dumps(None) == "null"
+
+
+def test_a_warm_up_the_server_refuses_stops_the_run_with_its_reason(tmp_path):
+    """A warm-up refused with a 4xx would be the fate of every request: one line, no trace."""
+    with emulator("--max-model-len", "2048") as url:
+        done = _bench_against(url, tmp_path, "--input-len", "3000", "--output-len", "4")
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(
+        f"servematrix bench: the server at {url} refused the warm-up request (HTTP 400: This "
+        "model's maximum context length is 2048 tokens. However, your prompt contains 3000 input "
+        "tokens"
+    ), done.stderr
+    assert done.stderr.rstrip().endswith("no measured request was sent")

@@ -371,7 +371,7 @@ def client_error(recipe: str, prompt: int, max_tokens: int, limit: int, text: bo
     """What the load generator records when the emulator refuses the request: vLLM's check
     (shared by emulator and simulator), the emulator's error body and the client's reading of
     it (the simulator must write the same)."""
-    from servematrix import loadgen
+    from servematrix import sse
     from servematrix.emulator import wire
     from servematrix.engine.admission import ContextLengthError, granted_max_tokens
 
@@ -379,7 +379,7 @@ def client_error(recipe: str, prompt: int, max_tokens: int, limit: int, text: bo
         granted_max_tokens(recipe, prompt, max_tokens, limit, text)
     except ContextLengthError as error:
         body = wire.error_body(recipe, error.message, "BadRequestError", 400, error.param)
-        return str(loadgen._status_message(400, body))
+        return str(sse.status_message(400, body))
     raise AssertionError("the server serves this request")
 
 

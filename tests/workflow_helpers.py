@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -64,3 +65,31 @@ def planned_jobs(result: subprocess.CompletedProcess) -> dict[str, int]:
         if parts[0] != "total":
             jobs[parts[0]] = int(parts[1])
     return jobs
+
+
+def cell_job(workdir: Path) -> int:
+    """The pid of the Snakemake job running scripts/run_cell.py in ``workdir``."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+            if b"run_cell.py" in cmd and Path(os.readlink(proc / "cwd")) == workdir:
+                return int(proc.name)
+        except (OSError, ValueError):
+            continue
+    raise AssertionError("no cell job running")
+
+
+def start_snakemake(
+    workdir: Path, target: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """``snakemake --cores 1 target`` in the background, in its own process group: a
+    "Ctrl-C" (SIGINT to the group) reaches Snakemake and its job only."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "1", target],
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )

@@ -126,6 +126,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--vocab-size", type=int, help="random token ids are below this")
     bench.add_argument("--tokenizer", help="tokenizer.json or model directory for text prompts")
+    bench.add_argument(
+        "--prompt-format",
+        choices=("auto", "ids", "text"),
+        default="auto",
+        help="random prompts as token ids, or as text decoded with the tokenizer (auto: text "
+        "when the server refuses ids)",
+    )
     bench.set_defaults(run=run)
 
 
@@ -145,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
             client=args.client,
             refused_timeout_s=args.refused_timeout_s,
+            prompt_format=args.prompt_format,
+            tokenizer=args.tokenizer,
         )
         vocab_size, vocab_source = vocab_size_for(args.model, args.vocab_size)
         counter = None

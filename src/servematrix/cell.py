@@ -142,8 +142,11 @@ def _run_deployed(cell: Cell) -> BackendRun:
         plan = recipes.plan(cell)
         settings, state_dir, logs = warm.settings_for(cell)
         timeout_s = settings.lease_timeout_s
-        with gpulock.GpuLocks(plan.gpus, state_dir / "gpu-locks", timeout_s, cell.path):
-            if cell.backend == "vllm":
+        kind = recipes.node_kind(cell)
+        with gpulock.GpuLocks(plan.gpus, state_dir / "gpu-locks", timeout_s, cell.path, kind):
+            if cell.backend == "vllm" and kind == "cpu":
+                gpulock.check_cores_allowed(cell.model.name, plan.gpus)
+            elif cell.backend == "vllm":
                 gpulock.check_gpus_exist(cell.model.name, plan.gpus)
             lease = warm.acquire(plan, state_dir, warm.log_dir_for(plan, logs), settings)
             keep = False
@@ -158,9 +161,12 @@ def _run_deployed(cell: Cell) -> BackendRun:
                 gpu = str(cell.engine.get("gpu", DEFAULT_GPU))
                 util = cell.serving.gpu_memory_utilization
                 layout = _modelled_layout(cell) if cell.backend == "emulator" else None
+                groups = memory.process_groups(warm.read_state(lease.run_dir))
                 with (
                     lease.watched(),
-                    memory.sampled(plan, cell.backend, gpu, util, layout) as memory_use,
+                    memory.sampled(
+                        plan, cell.backend, gpu, util, layout, kind, groups
+                    ) as memory_use,
                 ):
                     records, client = _measure(cell, lease.base_url)
                 problem = lease.problem()

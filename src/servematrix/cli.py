@@ -31,9 +31,12 @@ def _check(args: argparse.Namespace) -> int:
         print(f"{name}: {len(study.cells)} cells ({study.recipe}, x = {study.x})")
     print(f"{len(cfg.all_cells())} distinct cells on backend {cfg.backend}")
     gpus = config.gpus_needed(cfg)
-    node = cfg.raw.get("node", {}).get("gpus", config.DEFAULT_NODE_GPUS)
     pinned = ", ".join(map(str, gpus)) or "none"
-    print(f"GPU ids pinned: {pinned} (of {node} on the node)")
+    if cfg.raw.get("node", {}).get("kind") == "cpu":
+        print(f"CPU cores pinned: {pinned}")
+    else:
+        node = cfg.raw.get("node", {}).get("gpus", config.DEFAULT_NODE_GPUS)
+        print(f"GPU ids pinned: {pinned} (of {node} on the node)")
     warnings = logging.StreamHandler(sys.stderr)
     warnings.setFormatter(logging.Formatter("servematrix: warning: %(message)s"))
     warnings.setLevel(logging.WARNING)

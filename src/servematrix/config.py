@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -322,8 +323,9 @@ def _model_spec(name: str, data: Mapping[str, Any]) -> ModelSpec:
         pinned.update(gpus)
     return ModelSpec(
         name=name,
-        hf_id=data["hf_id"],
-        architecture=data["architecture"],
+        # A local model directory may be given from the home directory (``~/...``).
+        hf_id=os.path.expanduser(data["hf_id"]),
+        architecture=os.path.expanduser(data["architecture"]),
         quantization=data["quantization"],
         tensor_parallel=tp,
         gpus=tuple(tuple(g) for g in data["gpus"]),
@@ -463,7 +465,16 @@ def deploy_settings(raw: Mapping[str, Any]) -> dict[str, Any]:
     or deploy settings never reruns simulated cells."""
     if raw["backend"] == "simulator":
         return {}
-    return {**raw.get("deploy", {}), "ports": dict(raw["ports"]), "base_url": raw.get("base_url")}
+    settings = {
+        **raw.get("deploy", {}),
+        "ports": dict(raw["ports"]),
+        "base_url": raw.get("base_url"),
+    }
+    node = raw.get("node", {})
+    if node.get("kind", "gpu") == "cpu":
+        # Only on CPU nodes, so GPU cells keep their parameters (no rerun).
+        settings["node"] = {"kind": "cpu", "kvcache_space_gib": node.get("kvcache_space_gib", 4)}
+    return settings
 
 
 def _check_shared_cells(studies: Mapping[str, Study]) -> None:
@@ -600,6 +611,8 @@ def _check_lists(data: Mapping[str, Any]) -> None:
 
 
 def _check_gpu_pins(data: Mapping[str, Any]) -> None:
+    if data.get("node", {}).get("kind") == "cpu":
+        return  # pins name cores: checked on the node against the cores it may use
     node_gpus = data.get("node", {}).get("gpus", DEFAULT_NODE_GPUS)
     for name, model in data["models"].items():
         for i, gpus in enumerate(model["gpus"]):

@@ -17,21 +17,22 @@ defined, and the design's trace schema everywhere:
   ``max_concurrency`` a request then waits for a free slot, in schedule order, as
   ``vllm bench serve --max-concurrency``; ``sent_s`` is when it is actually sent, so the send lag
   then includes that wait.
-- The response bytes are read as they arrive and timestamped before any parsing (`StreamParser`);
-  openai's own stream would build a pydantic object per chunk first.
-- A chunk counts when its first choice has non-empty text (vLLM 0.6's rule): its arrival time
-  goes into ``chunk_s`` and the growth of ``usage.completion_tokens`` since the previous counted
-  chunk into ``chunk_tokens`` (1 when the server sends no continuous usage). ``end_s`` is the
-  last counted chunk, not ``[DONE]`` (vLLM's current E2EL).
+- The response bytes are read as they arrive and timestamped before any parsing
+  (`servematrix.sse.StreamParser`); openai's own stream would build a pydantic object per chunk
+  first. Every chunk with ``choices`` is a token event, empty text included (vLLM 0.33's rule;
+  vLLM 0.6's client skipped empty-text chunks: see ``servematrix.sse``): its arrival time goes
+  into ``chunk_s`` and its share of ``usage.completion_tokens`` into ``chunk_tokens``.
+  ``end_s`` is the last token event, not ``[DONE]`` (vLLM's current E2EL).
 - ``prompt_tokens``/``completion_tokens`` are the server's last usage; a server that sends none
-  gets the planned input length and the number of counted tokens instead.
+  gets the planned input length and the number of token events instead.
 - Warm-up requests go one at a time before t = 0, so their times are negative. Then up to
   ``PREOPEN_CONNECTIONS`` connections are opened (concurrent ``GET /health``), so connection
   set-up is not inside the TTFT of the first requests that overlap.
-- Success is HTTP 200, at least one counted chunk and a stream that ends with ``[DONE]``. Any
-  failure (HTTP status, error event in the stream, dropped connection, timeout, a stream
-  without a token or cut before ``[DONE]``) is a row with ``success = False`` and the error
-  text; the chunks that did arrive are kept; the run continues.
+- Success is HTTP 200, a stream that ends with ``[DONE]`` and at least one completion token: a
+  completed request is never a failed row. Any failure (HTTP status, error event in the
+  stream, dropped connection, timeout, a stream without a token or cut before ``[DONE]``) is a
+  row with ``success = False`` and the error text; the chunks that did arrive are kept; the
+  run continues.
 """
 
 from __future__ import annotations
@@ -44,12 +45,11 @@ import math
 import os
 import resource
 import secrets
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -58,7 +58,11 @@ import openai
 from openai import AsyncOpenAI, AsyncStream
 from openai.types import Completion
 
-from servematrix.progress import TERMINAL, WAIT_REPORT_S
+from servematrix import prompts
+from servematrix.progress import Progress
+from servematrix.prompts import encode_body
+from servematrix.sse import HTTPStatusError, StreamParser, record, status_message
+from servematrix.terminal import TERMINAL, WAIT_REPORT_S
 from servematrix.trace import RequestRecord
 
 if TYPE_CHECKING:
@@ -131,11 +135,18 @@ class ClientSettings:
     """Give up sooner when the port has refused every connection this long (a server the
     user says is running); None waits ``ready_timeout_s`` (a server still loading its model
     refuses until it listens)."""
+    prompt_format: str = "auto"  # see prompts.PROMPT_FORMATS
+    tokenizer: str | None = None  # decodes id prompts to text (default: the model's)
 
     def __post_init__(self) -> None:
         self.base_url = normalize_base_url(self.base_url)
         if self.client not in CLIENTS:
             raise LoadgenError(f"client must be one of {', '.join(CLIENTS)}, got {self.client!r}")
+        if self.prompt_format not in prompts.PROMPT_FORMATS:
+            raise LoadgenError(
+                f"prompt_format must be one of {', '.join(prompts.PROMPT_FORMATS)}, "
+                f"got {self.prompt_format!r}"
+            )
         if not self.model:
             raise LoadgenError("model name is empty")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -157,6 +168,9 @@ class RunResult:
     origin_monotonic_s: float  # the time.monotonic() value that is t = 0 of the records
     request_id_prefix: str = ""  # X-Request-Id is f"{request_id_prefix}-{request_id}"
     client: str = "aiohttp"  # ClientSettings.client
+    prompts: dict[str, Any] = field(default_factory=lambda: {"format": "ids"})
+    """How prompts went out: ids, or text (the tokenizer, and the server's prompt_tokens
+    minus the planned length, ``prompts.input_len_difference``)."""
 
     def metadata(self) -> dict[str, Any]:
         """The trace metadata entries that belong to the client."""
@@ -165,6 +179,7 @@ class RunResult:
             "client": {
                 "request_id_prefix": self.request_id_prefix,
                 "client": self.client,
+                "prompts": self.prompts,
                 "aiohttp": _version("aiohttp"),
                 "openai": openai.__version__,
             },
@@ -176,159 +191,6 @@ def _version(package: str) -> str | None:
         return importlib_metadata.version(package)
     except importlib_metadata.PackageNotFoundError:
         return None
-
-
-def encode_body(spec: RequestSpec, settings: ClientSettings) -> bytes:
-    """The JSON body of one streaming completion request, as sent on the wire."""
-    body = {
-        "model": settings.model,
-        "prompt": spec.prompt,
-        "max_tokens": spec.output_len,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        "ignore_eos": settings.ignore_eos,
-    }
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-class Progress:
-    """Done / failed / elapsed / achieved rate of the measured requests.
-
-    On a terminal: one line on stderr, redrawn a few times a second. Otherwise: a log line every
-    ``log_interval_s``. Requests only bump counters; a periodic task does the printing.
-    """
-
-    def __init__(
-        self,
-        total: int,
-        stream: TextIO | None = None,
-        tty: bool | None = None,
-        log_interval_s: float = 5.0,
-    ):
-        self.total = total
-        self.done = 0
-        self.failed = 0
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = self.stream.isatty() if tty is None else tty
-        self.interval_s = 0.2 if self.tty else log_interval_s
-        self._start = time.monotonic()
-
-    def finished(self, success: bool) -> None:
-        self.done += 1
-        self.failed += not success
-
-    def start(self) -> None:
-        self._start = time.monotonic()
-
-    def line(self) -> str:
-        elapsed = time.monotonic() - self._start
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        return (
-            f"{self.done}/{self.total} done, {self.failed} failed, "
-            f"{elapsed:.1f} s, {rate:.2f} req/s"
-        )
-
-    def report(self) -> None:
-        if self.tty:
-            width = 20
-            filled = width * self.done // max(self.total, 1)
-            bar = "#" * filled + "-" * (width - filled)
-            self.stream.write(f"\r[{bar}] {self.line()}\x1b[K")
-            self.stream.flush()
-        else:
-            log.info("requests: %s", self.line())
-
-    def close(self) -> None:
-        self.report()
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            self.report()
-
-
-class StreamParser:
-    """One request's stream, parsed incrementally, in monotonic seconds (converted at the end).
-
-    Chunks are timestamped when their bytes arrive, before any parsing: the per-chunk work the
-    client adds to a measured time is one ``time.monotonic()`` call. Lines are SSE ``data:``
-    fields, one JSON event each (vLLM never splits an event over several lines); other lines
-    (comments, keep-alives, blank separators) are skipped.
-    """
-
-    __slots__ = (
-        "_buffer",
-        "_counted",
-        "chunk_s",
-        "chunk_tokens",
-        "completion_tokens",
-        "done",
-        "error",
-        "prompt_tokens",
-        "sent",
-    )
-
-    def __init__(self) -> None:
-        self.sent = 0.0
-        self.chunk_s: list[float] = []
-        self.chunk_tokens: list[int] = []
-        self.prompt_tokens: int | None = None
-        self.completion_tokens: int | None = None
-        self.error: str | None = None
-        self.done = False  # [DONE] seen
-        self._buffer = b""
-        self._counted = 0  # completion tokens already attributed to a counted chunk
-
-    def feed(self, data: bytes, arrived: float) -> None:
-        lines = (self._buffer + data).split(b"\n")
-        self._buffer = lines.pop()
-        for line in lines:
-            if line.startswith(b"data:"):
-                self._event(line[5:].strip(), arrived)
-
-    def _event(self, payload: bytes, arrived: float) -> None:
-        if payload == b"[DONE]":
-            self.done = True
-            return
-        event = json.loads(payload)
-        if "error" in event:  # a failure after the 200 header: one error event, then [DONE]
-            error = event["error"]
-            message = error.get("message", error) if isinstance(error, dict) else error
-            self.error = f"error in stream: {message}"
-            return
-        choices = event.get("choices")
-        usage = event.get("usage")
-        if choices and choices[0].get("text"):
-            self.chunk_s.append(arrived)
-            if usage is None:  # no continuous usage: count the chunk as one token
-                self.chunk_tokens.append(1)
-                self._counted += 1
-            else:
-                self.chunk_tokens.append(usage["completion_tokens"] - self._counted)
-                self._counted = usage["completion_tokens"]
-        if usage is not None:
-            self.prompt_tokens = usage["prompt_tokens"]
-            self.completion_tokens = usage["completion_tokens"]
-
-
-class _HTTPStatus(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(f"HTTP {status}: {' '.join(message.split())[:500]}")
-
-
-def _status_message(status: int, text: str) -> _HTTPStatus:
-    """vLLM's error body (0.33 nested, 0.6 flat) reduced to its message."""
-    try:
-        body = json.loads(text)
-        error = body.get("error", body) if isinstance(body, dict) else body
-        message = error.get("message", text) if isinstance(error, dict) else str(error)
-    except ValueError:
-        message = text
-    return _HTTPStatus(status, str(message) or "(empty body)")
 
 
 class _AiohttpSender:
@@ -343,7 +205,7 @@ class _AiohttpSender:
         feed = out.feed
         async with self.session.post(self.url, data=body, headers=headers) as response:
             if response.status != 200:
-                raise _status_message(response.status, await response.text(errors="replace"))
+                raise status_message(response.status, await response.text(errors="replace"))
             async for data in response.content.iter_any():
                 feed(data, monotonic())
 
@@ -383,7 +245,7 @@ class _OpenAISender:
                 stream_cls=_Response,
             )
         except openai.APIStatusError as error:
-            raise _HTTPStatus(error.status_code, _error_message(error)) from None
+            raise HTTPStatusError(error.status_code, _error_message(error)) from None
         response = stream.response
         try:
             async for data in response.aiter_raw():
@@ -416,17 +278,13 @@ async def _stream(
             await send(body, headers, out)
     except TimeoutError:
         out.error = f"timed out after {timeout_s:g} s"
-    except _HTTPStatus as error:
-        out.error = str(error)
+    except HTTPStatusError as error:
+        out.error, out.status = str(error), error.status
     except (aiohttp.ClientError, openai.APIConnectionError, httpx2.TransportError) as error:
         out.error = f"connection error: {_describe(_root_cause(error))}"
     except Exception as error:  # the row records it; one bad request never stops the cell
         out.error = _describe(error)
-    if out.error is None:
-        if not out.chunk_s:
-            out.error = "stream ended without a token"
-        elif not out.done:
-            out.error = "stream ended before [DONE]"
+    out.finish()
     if out.sent == 0.0:
         out.sent = time.monotonic()
     return out
@@ -450,29 +308,6 @@ def _root_cause(error: BaseException) -> BaseException:
 def _describe(error: BaseException) -> str:
     text = " ".join(str(error).split())  # one line, whatever the library put in its message
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def _record(
-    spec: RequestSpec, raw: StreamParser, origin: float, scheduled_s: float | None = None
-) -> RequestRecord:
-    chunk_s = [t - origin for t in raw.chunk_s]
-    tokens = sum(raw.chunk_tokens)
-    return RequestRecord(
-        request_id=spec.request_id,
-        warmup=spec.warmup,
-        scheduled_s=spec.scheduled_s if scheduled_s is None else scheduled_s,
-        sent_s=raw.sent - origin,
-        first_token_s=chunk_s[0] if chunk_s else None,
-        end_s=chunk_s[-1] if chunk_s else None,
-        chunk_s=chunk_s,
-        chunk_tokens=raw.chunk_tokens,
-        prompt_tokens=raw.prompt_tokens if raw.prompt_tokens is not None else spec.input_len,
-        completion_tokens=raw.completion_tokens if raw.completion_tokens is not None else tokens,
-        success=raw.error is None,
-        error=raw.error,
-        request_input_len=spec.input_len,
-        request_output_len=spec.output_len,
-    )
 
 
 def _session(max_in_flight: int) -> aiohttp.ClientSession:
@@ -622,16 +457,21 @@ def _check_model(settings: ClientSettings, status: int, body: bytes) -> None:
         )
 
 
-async def run_requests(
-    settings: ClientSettings, requests: Sequence[RequestSpec], progress: Progress | None = None
-) -> RunResult:
-    """Wait for the server, run the warm-ups one by one, then the measured requests on time."""
-    warmups = [r for r in requests if r.warmup]
-    measured = sorted((r for r in requests if not r.warmup), key=lambda r: r.scheduled_s)
-    if not measured:
-        raise LoadgenError("no measured requests to send")
-    prefix = secrets.token_hex(4)
-    # Everything that grows with the prompt happens here, before the clock starts.
+def _as_text(
+    requests: Sequence[RequestSpec], settings: ClientSettings
+) -> tuple[list[RequestSpec], dict[str, Any]]:
+    try:
+        converted, tokenizer = prompts.as_text(requests, settings.tokenizer or settings.model)
+    except prompts.PromptError as error:
+        raise LoadgenError(str(error)) from None
+    return converted, {"format": "text", "tokenizer": tokenizer}
+
+
+def _encode(
+    requests: Sequence[RequestSpec], settings: ClientSettings, prefix: str
+) -> tuple[dict[int, bytes], dict[int, dict[str, str]]]:
+    """Every body and header set, encoded before the clock starts (nothing on the event loop
+    grows with the prompt at send time)."""
     bodies = {r.request_id: encode_body(r, settings) for r in requests}
     common = {"Content-Type": "application/json", "Authorization": f"Bearer {_api_key()}"}
     if settings.client == "openai":  # the SDK adds its own
@@ -639,7 +479,25 @@ async def run_requests(
     headers = {
         r.request_id: {**common, "X-Request-Id": f"{prefix}-{r.request_id}"} for r in requests
     }
-    max_in_flight = min(settings.max_concurrency or len(measured), len(measured))
+    return bodies, headers
+
+
+async def run_requests(
+    settings: ClientSettings, requests: Sequence[RequestSpec], progress: Progress | None = None
+) -> RunResult:
+    """Wait for the server, run the warm-ups one by one, then the measured requests on time.
+
+    A warm-up the server refuses with a 4xx stops the run (LoadgenError with the server's
+    reason), unless it refuses token-id prompts and ``prompt_format`` is ``auto``: then the
+    prompts go out as text (see ``servematrix.prompts``) from the warm-up on."""
+    if not any(not r.warmup for r in requests):
+        raise LoadgenError("no measured requests to send")
+    prefix = secrets.token_hex(4)
+    how: dict[str, Any] = {"format": "ids"}
+    if settings.prompt_format == "text":
+        requests, how = _as_text(requests, settings)
+    bodies, headers = _encode(requests, settings, prefix)
+    max_in_flight = min(settings.max_concurrency or len(requests), len(requests))
     _raise_file_limit(max_in_flight + 64)
     timeout_s = settings.request_timeout_s
     async with _session(max_in_flight) as session:
@@ -656,32 +514,55 @@ async def run_requests(
         gc.collect()
         gc.freeze()
         try:
-            warm: list[tuple[RequestSpec, StreamParser]] = []
-            await _warm_up(send, warmups, bodies, headers, timeout_s, warm)
+            warm, refused = await _warm_up(send, requests, bodies, headers, timeout_s)
+            ids = any(isinstance(r.prompt, list) for r in requests)
+            if (
+                refused
+                and settings.prompt_format == "auto"
+                and ids
+                and prompts.refuses_ids(refused)
+            ):
+                log.warning("the server refuses token-id prompts (%s); sending text", refused)
+                requests, how = _as_text(requests, settings)
+                bodies, headers = _encode(requests, settings, prefix)
+                warm, refused = await _warm_up(send, requests, bodies, headers, timeout_s)
+            if refused:
+                raise LoadgenError(
+                    f"the server at {settings.server_root} refused the warm-up request "
+                    f"({refused}); no measured request was sent"
+                )
+            measured = sorted((r for r in requests if not r.warmup), key=lambda r: r.scheduled_s)
             await send.open_connections(ready_url, min(max_in_flight, PREOPEN_CONNECTIONS))
-            return await _run(
+            result = await _run(
                 send, settings, warm, measured, bodies, headers, timeout_s, prefix, progress
             )
         finally:
             gc.unfreeze()
             if openai_client is not None:
                 await openai_client.close()
+    if how["format"] == "text":
+        how["input_len_difference"] = prompts.input_len_difference(result.records)
+    result.prompts = how
+    return result
 
 
 async def _warm_up(
     send: Sender,
-    warmups: list[RequestSpec],
+    requests: Sequence[RequestSpec],
     bodies: dict[int, bytes],
     headers: dict[int, dict[str, str]],
     timeout_s: float,
-    warm: list[tuple[RequestSpec, StreamParser]],
-) -> None:
-    """The warm-up requests, one at a time; appended to ``warm``."""
-    for spec in warmups:
+) -> tuple[list[tuple[RequestSpec, StreamParser]], str | None]:
+    """The warm-up requests, one at a time, until one is refused with a 4xx (then its error)."""
+    warm: list[tuple[RequestSpec, StreamParser]] = []
+    for spec in (r for r in requests if r.warmup):
         raw = await _stream(send, bodies[spec.request_id], headers[spec.request_id], timeout_s)
         warm.append((spec, raw))
+        if raw.status is not None and 400 <= raw.status < 500:
+            return warm, raw.error
         if raw.error:
             log.warning("warm-up request %d failed: %s", spec.request_id, raw.error)
+    return warm, None
 
 
 async def _run(
@@ -727,8 +608,8 @@ async def _run(
         if progress is not None:
             reporter.cancel()
             progress.close()
-    records = [_record(spec, raw, origin, scheduled_s=raw.sent - origin) for spec, raw in warm]
-    records += [_record(spec, results[spec.request_id], origin) for spec in measured]
+    records = [record(spec, raw, origin, scheduled_s=raw.sent - origin) for spec, raw in warm]
+    records += [record(spec, results[spec.request_id], origin) for spec in measured]
     records.sort(key=lambda r: r.request_id)
     return RunResult(records, origin, prefix, settings.client)
 

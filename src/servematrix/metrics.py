@@ -9,8 +9,14 @@
 - ITL = every gap between consecutive ``chunk_s`` of every request, pooled into one flat list
   (long requests weigh more). A chunk carrying several tokens is one gap, as in vLLM, which
   timestamps streamed chunks, not tokens; TPOT divides by ``completion_tokens`` and so does see
-  every token. ``chunk_s`` holds only non-empty chunks, as vLLM 0.6 counted them (newer clients
-  also count a chunk with empty text).
+  every token. ``chunk_s`` holds every chunk that has ``choices``, empty text included, as
+  vLLM 0.33's client counts them. **This differs from vLLM 0.6's client**, which skipped a chunk
+  whose text is empty: real vLLM streams ``"text": ""`` for special tokens and partial UTF-8
+  characters, and under the 0.6 rule such a token's time was merged into the next chunk's
+  (one ITL gap fewer, a later TTFT when it was the first) and a request whose chunks were all
+  empty became a failure although the server counted every token. On the emulator and the
+  simulator nothing changes: the simulator writes one chunk per token event, and the
+  emulator's empty-text chunks carry their usage like any other (``servematrix.sse``).
 - Output tokens are the server's ``completion_tokens``, as ``vllm bench serve`` uses when usage is
   present (older clients re-tokenized the text).
 - Statistics are NumPy's mean, median, population std and default (linear) percentiles, computed

@@ -1,19 +1,70 @@
-"""Lines a person at the terminal must see, not only a job's log file.
-
-A cell job's log records go to its log file (``workflow.log_to``); the records marked here
-(and every warning) go to the terminal as well: what a job is waiting for, for how long, and a
-step-time fallback. ``log.info(message, extra=TERMINAL)`` marks a record.
-"""
+"""The load generator's progress line: done / failed / elapsed / achieved rate."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import sys
+import time
+from typing import TextIO
 
-TERMINAL = {"terminal": True}
-WAIT_REPORT_S = 15.0
-"""How often a wait says it is still waiting (it says so at once when it starts)."""
+log = logging.getLogger("servematrix.loadgen")
 
 
-def for_terminal(record: logging.LogRecord) -> bool:
-    """A warning or worse, or a record marked with ``extra=TERMINAL``."""
-    return record.levelno >= logging.WARNING or bool(getattr(record, "terminal", False))
+class Progress:
+    """Done / failed / elapsed / achieved rate of the measured requests.
+
+    On a terminal: one line on stderr, redrawn a few times a second. Otherwise: a log line every
+    ``log_interval_s``. Requests only bump counters; a periodic task does the printing.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        stream: TextIO | None = None,
+        tty: bool | None = None,
+        log_interval_s: float = 5.0,
+    ):
+        self.total = total
+        self.done = 0
+        self.failed = 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.interval_s = 0.2 if self.tty else log_interval_s
+        self._start = time.monotonic()
+
+    def finished(self, success: bool) -> None:
+        self.done += 1
+        self.failed += not success
+
+    def start(self) -> None:
+        self._start = time.monotonic()
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self._start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        return (
+            f"{self.done}/{self.total} done, {self.failed} failed, "
+            f"{elapsed:.1f} s, {rate:.2f} req/s"
+        )
+
+    def report(self) -> None:
+        if self.tty:
+            width = 20
+            filled = width * self.done // max(self.total, 1)
+            bar = "#" * filled + "-" * (width - filled)
+            self.stream.write(f"\r[{bar}] {self.line()}\x1b[K")
+            self.stream.flush()
+        else:
+            log.info("requests: %s", self.line())
+
+    def close(self) -> None:
+        self.report()
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.report()

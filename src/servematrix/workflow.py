@@ -14,7 +14,8 @@ from typing import Any
 from servematrix import config, preflight
 from servematrix.cell import check_backend
 from servematrix.config import PREDICTING_BACKEND, ConfigError
-from servematrix.progress import for_terminal
+from servematrix.deploy import command
+from servematrix.terminal import for_terminal
 
 DEFAULT_CONFIGFILE = "config/config.yaml"
 
@@ -24,6 +25,7 @@ def check_config(raw: Mapping[str, Any], schema_path: Path = config.SCHEMA_PATH)
     cfg = config.load(raw, schema_path)
     preflight.check(cfg)
     check_backend(cfg.backend)
+    command.check(dict(cfg.raw))
     return cfg
 
 

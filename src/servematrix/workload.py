@@ -144,6 +144,16 @@ class TokenCounter:
     def count(self, text: str) -> int:
         return len(self.tokens(text))
 
+    @property
+    def can_decode(self) -> bool:
+        """Whether token ids can be turned back into text (a real tokenizer, not the
+        approximation)."""
+        return self._tokenizer is not None
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids (special tokens kept as their text)."""
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
     def tokens(self, text: str) -> list[int] | list[str]:
         """The prompt's tokens as counted: the tokenizer's ids, or the approximation's pieces
         (the emulator's prefix cache compares prompts by them)."""

@@ -1,4 +1,5 @@
-"""Advisory locks on pinned GPU ids, so cells on overlapping GPUs never overlap in time.
+"""Advisory locks on pinned GPU ids (or CPU cores, on a CPU node), so cells on overlapping
+pins never overlap in time.
 
 One lock file per GPU id (``flock``), taken in sorted order so two cells can never hold one
 GPU each while waiting for the other's. The kernel drops a lock when its holder dies, so a
@@ -32,14 +33,26 @@ def flock_before(fd: int, deadline: float) -> bool:
             time.sleep(POLL_S)
 
 
-class GpuLocks:
-    """Context manager holding the locks of ``gpus`` (waits up to ``timeout_s`` for them)."""
+PIN_NAMES = {"gpu": "GPU", "cpu": "CPU core"}
 
-    def __init__(self, gpus: tuple[int, ...], lock_dir: Path, timeout_s: float, holder: str):
+
+class GpuLocks:
+    """Context manager holding the locks of ``gpus`` (waits up to ``timeout_s`` for them);
+    ``kind`` ``cpu``: the pins are CPU cores, locked the same way under other file names."""
+
+    def __init__(
+        self,
+        gpus: tuple[int, ...],
+        lock_dir: Path,
+        timeout_s: float,
+        holder: str,
+        kind: str = "gpu",
+    ):
         self.gpus = tuple(sorted(set(gpus)))
         self.lock_dir = Path(lock_dir)
         self.timeout_s = timeout_s
         self.holder = holder
+        self.kind = kind
         self._fds: list[int] = []
 
     def __enter__(self) -> GpuLocks:
@@ -54,20 +67,22 @@ class GpuLocks:
         return self
 
     def _take(self, gpu: int, deadline: float) -> int:
-        path = self.lock_dir / f"gpu{gpu}.lock"
+        path = self.lock_dir / f"{self.kind}{gpu}.lock"
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
         if not flock_before(fd, deadline):
             os.close(fd)
             raise DeployError(
-                f"GPU {gpu} is locked by {self._holder_of(gpu)} ({path}); waited "
-                f"{self.timeout_s:g} s (deploy.gpu_lock_timeout_s)"
+                f"{PIN_NAMES[self.kind]} {gpu} is locked by {self._holder_of(gpu)} ({path}); "
+                f"waited {self.timeout_s:g} s (deploy.gpu_lock_timeout_s)"
             )
-        (self.lock_dir / f"gpu{gpu}.holder").write_text(f"pid {os.getpid()}: {self.holder}\n")
+        holder = self.lock_dir / f"{self.kind}{gpu}.holder"
+        holder.write_text(f"pid {os.getpid()}: {self.holder}\n")
         return fd
 
     def _holder_of(self, gpu: int) -> str:
         try:
-            return (self.lock_dir / f"gpu{gpu}.holder").read_text().strip() or "another process"
+            holder = self.lock_dir / f"{self.kind}{gpu}.holder"
+            return holder.read_text().strip() or "another process"
         except OSError:
             return "another process"
 
@@ -105,4 +120,19 @@ def check_gpus_exist(model: str, gpus: tuple[int, ...], present: set[int] | None
         listed = ", ".join(str(g) for g in sorted(present)) or "none"
         raise DeployError(
             f"models.{model}.gpus pins GPU(s) {missing} but nvidia-smi lists GPU(s) {listed}"
+        )
+
+
+def check_cores_allowed(
+    model: str, cores: tuple[int, ...], allowed: set[int] | None = None
+) -> None:
+    """On a CPU node: a pin on a core this process may not run on (``sched_getaffinity``:
+    the cores of its cgroup, taskset or Slurm allocation) is an error before any start."""
+    allowed = os.sched_getaffinity(0) if allowed is None else allowed
+    missing = sorted(set(cores) - allowed)
+    if missing:
+        listed = ", ".join(str(c) for c in sorted(allowed)) or "none"
+        raise DeployError(
+            f"models.{model}.gpus pins CPU core(s) {missing} but this process may run only on "
+            f"core(s) {listed} (node.kind: cpu)"
         )

@@ -27,12 +27,20 @@ The result goes into the trace metadata under ``memory``; ``peak_gpu_memory_mib`
 * vllm and emulator: ``sample_s``, ``gpus`` (per pinned GPU id: ``peak_used_mib`` and
   ``samples`` of [s, MiB]; one modelled sample on the emulator) and ``kv_cache_usage`` (per
   instance: samples of [s, usage]); ``gpu_memory_error`` when NVML failed;
+* vllm on a CPU node (config ``node.kind: cpu``): no ``gpus`` and ``peak_gpu_memory_mib`` None;
+  instead ``instances_rss`` (per instance: ``peak_rss_mib`` and ``samples`` of [s, MiB], the
+  resident memory of the instance's whole process tree: API server, EngineCore, Worker) and
+  ``peak_rss_mib``, the largest of them; the KV cache is part of that memory
+  (``VLLM_CPU_KVCACHE_SPACE``), its usage is ``kv_cache_usage`` as on GPUs;
 * emulator and simulator (:func:`modelled_layout`, what ``servematrix.engine.kvcache`` sizes
   per GPU of every instance): ``weights_mib_per_gpu`` (the GPU's tensor-parallel shard of the
   weights), ``kv_pool_mib_per_gpu`` (the KV pool), ``kv_pool_blocks`` (blocks per instance) and
   ``kv_block_size_tokens``;
 * emulator and simulator: ``peak_kv_blocks``, the most blocks in use per instance (instance
   order; prefill then decode when disaggregated);
+* vllm and emulator: ``server_tokens``, per instance, how much its ``/metrics`` token counters
+  (``generation_tokens``, ``prompt_tokens``) grew over the cell, warm-ups included: the
+  server's own count beside the trace's usage;
 * emulator: ``peak_kv_error`` instead when an instance could not say its peak (then
   ``peak_kv_cache_usage`` is the highest sample, as on vllm).
 """
@@ -40,6 +48,7 @@ The result goes into the trace metadata under ``memory``; ``peak_gpu_memory_mib`
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -139,6 +148,122 @@ def simulated(
     }
 
 
+TOKEN_COUNTERS = {
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+}
+COUNTER_SETTLE_S = 0.5
+
+
+def token_counters(base: str) -> dict[str, float]:
+    """An instance's token counters from its ``/metrics`` (absent ones are left out)."""
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as response:
+            text = response.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        key = TOKEN_COUNTERS.get(line.split("{", 1)[0].split(" ", 1)[0])
+        if key is not None:
+            counts[key] = counts.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def _settled_counters(bases: dict[str, str], timeout_s: float = 5.0) -> dict[str, dict]:
+    """Every instance's counters once two reads ``COUNTER_SETTLE_S`` apart agree: vLLM counts a
+    request's tokens just after it sends them."""
+    deadline = time.monotonic() + timeout_s
+    last = {name: token_counters(base) for name, base in bases.items()}
+    while time.monotonic() < deadline:
+        time.sleep(COUNTER_SETTLE_S)
+        now = {name: token_counters(base) for name, base in bases.items()}
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def process_groups(state: dict[str, Any]) -> dict[str, int]:
+    """A deployment's process groups by process name, from its ``state.json``."""
+    return {name: pgid for name, pgid in state.get("groups", [])}
+
+
+def tree_rss_mib(session: int) -> float:
+    """Resident memory (MiB) of every process in a session: a deployment's process runs in
+    its own, so this is the instance's whole tree (vLLM's API server, EngineCore, Worker)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[3]) == session:  # field 6, the session id
+            total += int(fields[21]) * page  # field 24, rss in pages
+    return total / MIB
+
+
+class _Sampler:
+    """The samples one cell takes every ``SAMPLE_S``: KV usage per instance; GPU memory per
+    pinned GPU (NVML) on a GPU node, resident memory per instance tree on a CPU node."""
+
+    def __init__(self, plan: Plan, nvml: _Nvml | None, sessions: dict[str, int]):
+        self.bases = instances(plan)
+        self.nvml = nvml
+        self.sessions = sessions
+        self.kv: dict[str, list[list[float]]] = {name: [] for name in self.bases}
+        self.gpus: dict[int, list[list[float]]] = {gpu: [] for gpu in plan.gpus}
+        self.rss: dict[str, list[list[float]]] = {name: [] for name in sessions}
+        self.began = time.monotonic()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            t = round(time.monotonic() - self.began, 3)
+            for name, base in self.bases.items():
+                usage = kv_cache_usage(base)
+                if usage is not None:
+                    self.kv[name].append([t, usage])
+            if self.nvml is not None:
+                for gpu, used in self.nvml.used_mib().items():
+                    self.gpus[gpu].append([t, round(used, 1)])
+            for name, session in self.sessions.items():
+                self.rss[name].append([t, round(tree_rss_mib(session), 1)])
+            if self.stop.wait(SAMPLE_S):
+                return
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        if self.nvml is not None:
+            self.nvml.close()
+
+
+def _peaks(samples: dict[Any, list[list[float]]], key: str) -> dict[str, Any]:
+    return {
+        str(name): {key: max((v for _, v in s), default=None), "samples": s}
+        for name, s in samples.items()
+    }
+
+
+def _emulator_peaks(bases: dict[str, str], result: dict[str, Any]) -> None:
+    """The exact KV peak of every emulator instance since the cell started."""
+    try:
+        pools = [_emulator_kv_cache(base) for base in bases.values()]
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        result["peak_kv_error"] = f"{type(error).__name__}: {error}"
+        return
+    result["peak_kv_blocks"] = [pool["peak_used_blocks"] for pool in pools]
+    result["peak_kv_cache_usage"] = max(
+        pool["peak_used_blocks"] / pool["num_blocks"] for pool in pools
+    )
+
+
 @contextmanager
 def sampled(
     plan: Plan,
@@ -146,16 +271,21 @@ def sampled(
     modelled_gpu: str,
     gpu_memory_utilization: float,
     layout: dict[str, Any] | None = None,
+    node_kind: str = "gpu",
+    groups: dict[str, int] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Sample in a thread while the block runs; the yielded dict is filled in at the end.
 
-    ``layout`` (emulator: :func:`modelled_layout` of the engine it runs) goes in as it is."""
+    ``layout`` (emulator: :func:`modelled_layout` of the engine it runs) goes in as it is;
+    ``groups`` (process name -> its process group, :func:`process_groups`) are the trees whose
+    resident memory is sampled on a CPU node."""
     bases = instances(plan)
     result: dict[str, Any] = {"sample_s": SAMPLE_S, **(layout or {})}
-    kv: dict[str, list[list[float]]] = {name: [] for name in bases}
-    gpu_samples: dict[int, list[list[float]]] = {gpu: [] for gpu in plan.gpus}
+    cpu = backend == "vllm" and node_kind == "cpu"
     nvml = None
-    if backend == "vllm":
+    if cpu:
+        result["gpu_memory_source"] = "none (cpu node: resident memory per instance)"
+    elif backend == "vllm":
         result["gpu_memory_source"] = "nvml"
         try:
             nvml = _Nvml(plan.gpus)
@@ -171,53 +301,44 @@ def sampled(
     except (urllib.error.URLError, OSError, ValueError) as error:
         result["peak_kv_error"] = f"{type(error).__name__}: {error}"
         exact = False
-    stop = threading.Event()
-    began = time.monotonic()
-
-    def sample() -> None:
-        while True:
-            t = round(time.monotonic() - began, 3)
-            for name, base in bases.items():
-                usage = kv_cache_usage(base)
-                if usage is not None:
-                    kv[name].append([t, usage])
-            if nvml is not None:
-                for gpu, used in nvml.used_mib().items():
-                    gpu_samples[gpu].append([t, round(used, 1)])
-            if stop.wait(SAMPLE_S):
-                return
-
-    thread = threading.Thread(target=sample, name="memory-sampler", daemon=True)
-    thread.start()
+    sessions = {n: g for n, g in (groups or {}).items() if n in bases} if cpu else {}
+    counted = {name: token_counters(base) for name, base in bases.items()}
+    sampler = _Sampler(plan, nvml, sessions)
+    sampler.thread.start()
     try:
         yield result
     finally:
-        stop.set()
-        thread.join()
-        if nvml is not None:
-            nvml.close()
-        if backend != "vllm":
-            modelled = round(modelled_gpu_mib(modelled_gpu, gpu_memory_utilization), 1)
-            gpu_samples = {gpu: [[0.0, modelled]] for gpu in plan.gpus}
-        result["gpus"] = {
-            str(gpu): {
-                "peak_used_mib": max((v for _, v in s), default=None),
-                "samples": s,
-            }
-            for gpu, s in gpu_samples.items()
+        sampler.finish()
+        after = _settled_counters(bases)
+        result["server_tokens"] = {
+            name: {k: after[name][k] - counted[name][k] for k in after[name] if k in counted[name]}
+            for name in bases
         }
-        result["kv_cache_usage"] = kv
-        peaks = [v for s in gpu_samples.values() for _, v in s]
-        usages = [v for s in kv.values() for _, v in s]
-        result["peak_gpu_memory_mib"] = max(peaks) if peaks else None
-        result["peak_kv_cache_usage"] = max(usages) if usages else None
+        _fill(result, sampler, backend, cpu, modelled_gpu, gpu_memory_utilization)
         if exact:
-            try:
-                pools = [_emulator_kv_cache(base) for base in bases.values()]
-            except (urllib.error.URLError, OSError, ValueError) as error:
-                result["peak_kv_error"] = f"{type(error).__name__}: {error}"
-            else:
-                result["peak_kv_blocks"] = [pool["peak_used_blocks"] for pool in pools]
-                result["peak_kv_cache_usage"] = max(
-                    pool["peak_used_blocks"] / pool["num_blocks"] for pool in pools
-                )
+            _emulator_peaks(bases, result)
+
+
+def _fill(
+    result: dict[str, Any],
+    sampler: _Sampler,
+    backend: str,
+    cpu: bool,
+    modelled_gpu: str,
+    gpu_memory_utilization: float,
+) -> None:
+    gpu_samples = sampler.gpus
+    if backend != "vllm":
+        modelled = round(modelled_gpu_mib(modelled_gpu, gpu_memory_utilization), 1)
+        gpu_samples = {gpu: [[0.0, modelled]] for gpu in gpu_samples}
+    if not cpu:
+        result["gpus"] = _peaks(gpu_samples, "peak_used_mib")
+    result["kv_cache_usage"] = sampler.kv
+    peaks = [v for s in gpu_samples.values() for _, v in s] if not cpu else []
+    usages = [v for s in sampler.kv.values() for _, v in s]
+    result["peak_gpu_memory_mib"] = max(peaks) if peaks else None
+    result["peak_kv_cache_usage"] = max(usages) if usages else None
+    if cpu:
+        result["instances_rss"] = _peaks(sampler.rss, "peak_rss_mib")
+        rss = [v for s in sampler.rss.values() for _, v in s]
+        result["peak_rss_mib"] = max(rss) if rss else None

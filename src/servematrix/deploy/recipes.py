@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,7 +72,8 @@ V0 = Recipe(
     name="v0",
     executable=("python3", "-m", "vllm.entrypoints.openai.api_server"),
     args=(
-        Segment(("--model", "{model}")),
+        Segment(("--model", "{model}"), "model_flag"),
+        Segment(("{model}",), "model_positional"),
         Segment(("--port", "{port}", "-tp", "{tp}", "--max-model-len", "{max_model_len}")),
         # The published aggregated launches silence the per-request logs; the Mooncake doc's
         # disaggregated launches do not (spec §1.1 vs §2.2).
@@ -107,7 +109,8 @@ V1 = Recipe(
     name="v1",
     executable=("vllm", "serve"),
     args=(
-        Segment(("{model}",)),
+        Segment(("{model}",), "model_positional"),
+        Segment(("--model", "{model}"), "model_flag"),
         Segment(("--port", "{port}", "-tp", "{tp}", "--max-model-len", "{max_model_len}")),
         Segment(("--gpu-memory-utilization", "{gpu_memory_utilization}")),
         # Parity with v0: V1 turns prefix caching and chunked prefill on by default (config
@@ -291,9 +294,12 @@ class Plan:
         )
 
 
-def _conditions(cell: Cell) -> dict[str, bool]:
+def _conditions(cell: Cell, executable: tuple[str, ...]) -> dict[str, bool]:
     mode = cell.mode
+    positional = executable[-1] == "serve"  # `vllm serve M`; the module form takes --model M
     return {
+        "model_positional": positional,
+        "model_flag": not positional,
         "aggregated": not mode.disaggregated,
         "disaggregated": mode.disaggregated,
         "chunked_on": mode.chunked_prefill is True,
@@ -358,10 +364,47 @@ def emulator_flags(cell: Cell) -> list[str]:
     return flags
 
 
+def server_command(recipe: Recipe, cell: Cell) -> tuple[str, ...]:
+    """What starts a vLLM server: ``deploy.server_command`` (``~`` expanded), else the
+    recipe's own executable."""
+    command = cell.deploy.get("server_command")
+    if not command:
+        return recipe.executable
+    return (os.path.expanduser(command[0]), *command[1:])
+
+
+def node_kind(cell: Cell) -> str:
+    """``gpu`` (the default) or ``cpu`` (config ``node.kind``): what the pins name."""
+    return str((cell.deploy.get("node") or {}).get("kind", "gpu"))
+
+
+def cpu_bind(cores: tuple[int, ...], tensor_parallel: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for an instance's cores: ranges per tensor-parallel rank,
+    ranks separated by ``|`` (vLLM's format, e.g. ``0-3|4-7``)."""
+    per_rank = max(1, len(cores) // tensor_parallel)
+    ranks = [sorted(cores[i : i + per_rank]) for i in range(0, len(cores), per_rank)]
+    return "|".join(_ranges(rank) for rank in ranks)
+
+
+def _ranges(cores: list[int]) -> str:
+    parts: list[str] = []
+    start = prev = cores[0]
+    for core in [*cores[1:], None]:
+        if core is not None and core == prev + 1:
+            prev = core
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if core is not None:
+            start = prev = core
+    return ",".join(parts)
+
+
 def _server_argv(
     recipe: Recipe, cell: Cell, backend: str, port: int, role: str | None, host: str
 ) -> list[str]:
-    conditions = _conditions(cell)
+    command = server_command(recipe, cell)
+    # The emulator takes the model where the recipe's own executable does.
+    conditions = _conditions(cell, command if backend == "vllm" else recipe.executable)
     values: dict[str, Any] = {
         "model": cell.model.hf_id,
         "port": port,
@@ -375,8 +418,7 @@ def _server_argv(
     if role is not None:
         config = _fill(recipe.kv_transfer_config[role], values)
         values["kv_transfer_config"] = _kv_json(config, values["kv_buffer_size"])
-    executable = list(EMULATOR_EXECUTABLE if backend == "emulator" else recipe.executable)
-    argv = executable
+    argv = list(EMULATOR_EXECUTABLE if backend == "emulator" else command)
     for segment in recipe.args:
         if segment.when is None or conditions[segment.when]:
             argv += [token.format(**values) for token in segment.tokens]
@@ -447,6 +489,63 @@ def _etcd(host: str, port: int) -> Process:
     return Process("etcd", argv, {}, port, Health(_url(host, port) + "/health"), (), (peer,))
 
 
+def _server(
+    cell: Cell,
+    backend: str,
+    name: str,
+    port: int,
+    pins: tuple[int, ...],
+    role: str | None,
+) -> Process:
+    """One vLLM (or emulator) instance: its argv, environment, pins and extra ports."""
+    recipe = RECIPES[cell.recipe]
+    ports, deploy = _settings(cell)
+    env: dict[str, str] = {}
+    extra: tuple[int, ...] = ()
+    tp = cell.model.tensor_parallel
+    if role is not None:
+        values = {"bootstrap_port": ports["bootstrap"]}
+        env.update({k: v.format(**values) for k, v in recipe.disaggregated_env.items()})
+        if role == "kv_producer":
+            env.update({k: v.format(**values) for k, v in recipe.producer_env.items()})
+            if recipe.producer_env:
+                extra = tuple(ports["bootstrap"] + rank for rank in range(tp))
+        if recipe.etcd:
+            base = ports["mooncake"] + (0 if role == "kv_producer" else MOONCAKE_DECODE_OFFSET)
+            extra += _mooncake_ports(base, tp)
+    if backend == "emulator" and role is not None and cell.engine.get("kv_link"):
+        # engine.kv_link overrides of the modelled KV link (emulator only; vLLM has a wire)
+        env[EMULATOR_KV_LINK_ENV] = json.dumps(dict(cell.engine["kv_link"]), sort_keys=True)
+    if cell.serving.prefix_caching and recipe.prefix_cache_reset_env:
+        env.update(recipe.prefix_cache_reset_env)
+    if node_kind(cell) == "cpu":
+        # vLLM's CPU build: the pins are cores, the KV cache is sized in GiB of host memory.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(pins, tp)
+        env["VLLM_CPU_KVCACHE_SPACE"] = _number(float(cell.deploy["node"]["kvcache_space_gib"]))
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in pins)
+    host = deploy["host"]
+    argv = _server_argv(recipe, cell, backend, port, role, host)
+    return Process(name, tuple(argv), env, port, Health(_url(host, port) + "/health"), pins, extra)
+
+
+def _proxy(cell: Cell, ports: Mapping[str, int], host: str) -> Process:
+    """The proxy in front of two instances: round-robin, or the recipe's disaggregated one."""
+    mode = cell.mode
+    prefill_url, decode_url = _url(host, ports["prefill"]), _url(host, ports["decode"])
+    argv = [*PROXY_EXECUTABLE]
+    if not mode.disaggregated:
+        argv += ["round-robin", "--upstream", prefill_url, "--upstream", decode_url]
+    elif RECIPES[cell.recipe].disagg_proxy == "disagg-v0":
+        argv += ["disagg-v0", "--prefill", prefill_url, "--decode", decode_url]
+    else:
+        argv += ["disagg-v1", "--prefill", prefill_url, str(ports["bootstrap"])]
+        argv += ["--decode", decode_url]
+    argv += ["--port", str(ports["proxy"]), "--host", host]
+    health = Health(_url(host, ports["proxy"]) + "/health")
+    return Process("proxy", tuple(argv), {}, ports["proxy"], health)
+
+
 def plan(cell: Cell, backend: str | None = None) -> Plan:
     """The deployment a cell needs on ``backend`` (default: the cell's own)."""
     backend = backend or cell.backend
@@ -459,75 +558,17 @@ def plan(cell: Cell, backend: str | None = None) -> Plan:
     pins = cell.instance_gpus
     files: dict[str, str] = {}
     processes: list[Process] = []
-
-    def server(name: str, port: int, gpus: tuple[int, ...], role: str | None) -> Process:
-        env: dict[str, str] = {}
-        extra: tuple[int, ...] = ()
-        if role is not None:
-            values = {"bootstrap_port": ports["bootstrap"]}
-            env.update({k: v.format(**values) for k, v in recipe.disaggregated_env.items()})
-            if role == "kv_producer":
-                env.update({k: v.format(**values) for k, v in recipe.producer_env.items()})
-                if recipe.producer_env:
-                    tp = cell.model.tensor_parallel
-                    extra = tuple(ports["bootstrap"] + rank for rank in range(tp))
-            if recipe.etcd:
-                base = ports["mooncake"] + (0 if role == "kv_producer" else MOONCAKE_DECODE_OFFSET)
-                extra += _mooncake_ports(base, cell.model.tensor_parallel)
-        if backend == "emulator" and role is not None and cell.engine.get("kv_link"):
-            # engine.kv_link overrides of the modelled KV link (emulator only; vLLM has a wire)
-            env[EMULATOR_KV_LINK_ENV] = json.dumps(dict(cell.engine["kv_link"]), sort_keys=True)
-        if cell.serving.prefix_caching and recipe.prefix_cache_reset_env:
-            env.update(recipe.prefix_cache_reset_env)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-        argv = _server_argv(recipe, cell, backend, port, role, host)
-        return Process(
-            name, tuple(argv), env, port, Health(_url(host, port) + "/health"), gpus, extra
-        )
-
     if mode.instances == 1:
-        processes.append(server("single", ports["single"], pins[0], None))
+        processes.append(_server(cell, backend, "single", ports["single"], pins[0], None))
         entry = ports["single"]
     else:
         if mode.disaggregated and recipe.etcd:
             processes.append(_etcd(host, ports["etcd"]))
             files["mooncake.json"] = mooncake_json(cell, ports, deploy)
-        prefill_role, decode_role = (
-            ("kv_producer", "kv_consumer")
-            if mode.disaggregated
-            else (
-                None,
-                None,
-            )
-        )
-        prefill = server("prefill", ports["prefill"], pins[0], prefill_role)
-        decode = server("decode", ports["decode"], pins[1], decode_role)
-        processes += [prefill, decode]
-        prefill_url, decode_url = _url(host, ports["prefill"]), _url(host, ports["decode"])
-        proxy_argv = [*PROXY_EXECUTABLE]
-        if not mode.disaggregated:
-            proxy_argv += ["round-robin", "--upstream", prefill_url, "--upstream", decode_url]
-        elif recipe.disagg_proxy == "disagg-v0":
-            proxy_argv += ["disagg-v0", "--prefill", prefill_url, "--decode", decode_url]
-        else:
-            proxy_argv += [
-                "disagg-v1",
-                "--prefill",
-                prefill_url,
-                str(ports["bootstrap"]),
-                "--decode",
-                decode_url,
-            ]
-        proxy_argv += ["--port", str(ports["proxy"]), "--host", host]
-        processes.append(
-            Process(
-                "proxy",
-                tuple(proxy_argv),
-                {},
-                ports["proxy"],
-                Health(_url(host, ports["proxy"]) + "/health"),
-            )
-        )
+        roles = ("kv_producer", "kv_consumer") if mode.disaggregated else (None, None)
+        processes.append(_server(cell, backend, "prefill", ports["prefill"], pins[0], roles[0]))
+        processes.append(_server(cell, backend, "decode", ports["decode"], pins[1], roles[1]))
+        processes.append(_proxy(cell, ports, host))
         entry = ports["proxy"]
     fingerprint = _fingerprint(backend, recipe.name, processes, files)
     return Plan(

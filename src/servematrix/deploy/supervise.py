@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -44,6 +45,29 @@ def log_tail(path: Path, start: int = 0, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
     kept = text.rstrip("\n").splitlines()[-lines:]
     return "\n".join("    " + line for line in kept) if kept else "    (log is empty)"
+
+
+_ERROR_LINE = re.compile(r"(error|Error|ERROR|Exception)\b[^\n]*:")
+
+
+def server_error(path: Path, start: int = 0) -> str | None:
+    """The server's own reason in its log, as one line: the last line that reports an error
+    (argparse's ``error: ...``, a traceback's final ``XError: ...``, vLLM's ``ERROR ...``), with
+    the first detail line of a pydantic validation error; None when there is none."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(start)
+            lines = handle.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i].strip()
+        if not _ERROR_LINE.search(line) or line.startswith("Traceback"):
+            continue
+        if re.search(r"\d+ validation errors? for ", line) and i + 1 < len(lines):
+            line = f"{line}: {lines[i + 1].strip()}"
+        return " ".join(line.split())[:400]
+    return None
 
 
 def launch_argv(argv: tuple[str, ...]) -> list[str]:
@@ -274,9 +298,11 @@ class Deployment:
         while True:
             code = running.popen.poll()
             if code is not None:
+                reason = server_error(running.log_path, running.log_start)
                 raise DeployError(
-                    f"{process.name} exited with code {code} during start-up "
-                    f"(log {running.log_path}):\n{running.tail()}"
+                    f"{process.name} exited with code {code} during start-up"
+                    f"{': ' + reason if reason else ''} (log {running.log_path}):\n"
+                    f"{running.tail()}"
                 )
             if healthy(process.health.url):
                 return

@@ -49,7 +49,7 @@ from servematrix.deploy.supervise import (
     stop_groups,
     wait_quiet,
 )
-from servematrix.progress import TERMINAL, WAIT_REPORT_S
+from servematrix.terminal import TERMINAL, WAIT_REPORT_S
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.5
@@ -436,34 +436,7 @@ def supervise(run_dir: Path) -> int:
         startup_s = deployment.start(on_started=lambda _: write())
         write(status="ready", startup_s=round(startup_s, 3))
         print(f"deployment {plan.fingerprint} ready after {startup_s:.1f} s", flush=True)
-        while True:
-            time.sleep(WATCH_S)
-            dead = deployment.dead()
-            if dead is not None:
-                error = (
-                    f"{dead.process.name} exited with code {dead.popen.returncode} while "
-                    f"serving (log {dead.log_path}):\n{dead.tail()}"
-                )
-                deployment.stop()
-                write(status="failed", error=error)
-                print(error, flush=True)
-                return 1
-            if not (run_dir / "plan.json").is_file():
-                # Its directory was deleted (a scratch workdir removed): nobody can reach or
-                # stop this deployment any more, so it stops itself.
-                deployment.stop()
-                print(f"deployment {plan.fingerprint} stopped: {run_dir} removed", flush=True)
-                return 0
-            idle_fd = _idle_lease(run_dir, settings.idle_timeout_s)
-            if idle_fd is not None:
-                # Holding the lease: a cell arriving now waits, then finds it stopped.
-                try:
-                    deployment.stop()
-                    write(status="stopped", reason="idle")
-                finally:
-                    os.close(idle_fd)
-                print(f"deployment {plan.fingerprint} stopped: idle", flush=True)
-                return 0
+        return _watch(deployment, run_dir, settings.idle_timeout_s, write)
     except _Stop as stop:
         deployment.stop()
         write(status="stopped", reason=str(stop))
@@ -477,6 +450,39 @@ def supervise(run_dir: Path) -> int:
         deployment.stop()
         write(status="failed", error=f"supervisor: {type(error).__name__}: {error}")
         raise
+
+
+def _watch(deployment: Deployment, run_dir: Path, idle_timeout_s: float, write: Any) -> int:
+    """Serve until a process dies (1), the directory is removed or the lease idles (0)."""
+    fingerprint = deployment.plan.fingerprint
+    while True:
+        time.sleep(WATCH_S)
+        dead = deployment.dead()
+        if dead is not None:
+            error = (
+                f"{dead.process.name} exited with code {dead.popen.returncode} while "
+                f"serving (log {dead.log_path}):\n{dead.tail()}"
+            )
+            deployment.stop()
+            write(status="failed", error=error)
+            print(error, flush=True)
+            return 1
+        if not (run_dir / "plan.json").is_file():
+            # Its directory was deleted (a scratch workdir removed): nobody can reach or
+            # stop this deployment any more, so it stops itself.
+            deployment.stop()
+            print(f"deployment {fingerprint} stopped: {run_dir} removed", flush=True)
+            return 0
+        idle_fd = _idle_lease(run_dir, idle_timeout_s)
+        if idle_fd is not None:
+            # Holding the lease: a cell arriving now waits, then finds it stopped.
+            try:
+                deployment.stop()
+                write(status="stopped", reason="idle")
+            finally:
+                os.close(idle_fd)
+            print(f"deployment {fingerprint} stopped: idle", flush=True)
+            return 0
 
 
 def _idle_lease(run_dir: Path, idle_timeout_s: float) -> int | None:

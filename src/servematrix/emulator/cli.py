@@ -389,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         text_counter=TokenCounter.for_model(args.model),
         api_latency_ms=setup.host.request_latency_ms,
         api_request_ms=setup.host.request_ms,
+        vocab_size=setup.arch.vocab_size,
     )
     try:
         asyncio.run(serve(args, setup, settings))

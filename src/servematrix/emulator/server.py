@@ -37,6 +37,13 @@ from servematrix.engine.admission import (
 )
 from servematrix.workload import TokenCounter
 
+EMPTY_TEXT_FRACTION = 0.02
+"""Real vLLM streams a token whose text is ``""`` when the token is a special token or a
+partial UTF-8 character (the rest of the character comes with the next one). How often depends
+on the tokenizer and the text: rare in English with a BPE tokenizer, every second request on
+the random-weight test model. The emulator sends one chunk in 50 that way, so every client and
+proxy path it tests meets them; the usage counts are unchanged."""
+
 
 @dataclass
 class Faults:
@@ -72,6 +79,11 @@ class ServerSettings:
     """The API server's serial work per request (``HostCost.request_ms``): the engine queues
     requests through it, except one arriving with its prompt's KV (a KV consumer's), on whose
     path to the engine it is added with ``api_latency_ms``, as in the simulator."""
+    vocab_size: int | None = None
+    """The model's vocabulary: a prompt id beyond it gets vLLM's 400 (None: not checked)."""
+    empty_text_fraction: float = EMPTY_TEXT_FRACTION
+    """The share of streamed chunks sent with ``"text": ""``, drawn per chunk from a stream
+    seeded by the seed and the response id (see ``EMPTY_TEXT_FRACTION``)."""
 
 
 @dataclass
@@ -296,7 +308,13 @@ class Emulator:
                 message = f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}."
                 raise RequestError(404, message, "NotFoundError", "model")
             raise RequestError(404, f"The model `{model}` does not exist.", "NotFoundError")
-        if body.get("stream_options") is not None and not body.get("stream"):
+        if recipe == "v1" and body.get("stream_options") and not body.get("stream"):
+            raise RequestError(
+                400,
+                "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+                param="stream_options",
+            )
+        if recipe == "v0" and body.get("stream_options") is not None and not body.get("stream"):
             raise RequestError(400, "Stream options can only be defined when `stream=True`.")
         return body
 
@@ -309,6 +327,8 @@ class Emulator:
         """Prompt tokens and the output length, with vLLM's context-length rules (§4,
         ``servematrix.engine.admission``, shared with the simulator)."""
         prompt = _single_prompt(body)
+        if prompt == [] and self.settings.recipe == "v1":  # an empty batch of prompts
+            raise RequestError(400, "You must pass at least one prompt")
         if prompt is None or prompt == "" or prompt == []:
             raise RequestError(
                 400, "Either prompt or prompt_embeds must be provided and non-empty."
@@ -329,16 +349,16 @@ class Emulator:
             not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
         ):
             raise RequestError(
-                400,
-                "1 validation error:\n  max_tokens: Input should be a valid integer, "
-                f"got {max_tokens!r}",
-                "Bad Request",
-                "body.max_tokens",
+                400, _integer_error("body.max_tokens", max_tokens), "Bad Request", "body.max_tokens"
             )
         try:
             granted = granted_max_tokens(self.settings.recipe, tokens, max_tokens, limit, is_text)
         except ContextLengthError as error:
             raise RequestError(error.status, error.message, param=error.param) from None
+        vocab = self.settings.vocab_size
+        if not is_text and vocab is not None and max(prompt) > vocab - 1:
+            # After the length check, as vLLM's input processor does (renderers/base.py).
+            raise RequestError(400, f"Token id {max(prompt)} is out of vocabulary")
         return tokens, granted
 
     def _error(self, error: RequestError) -> web.Response:
@@ -393,6 +413,8 @@ class Emulator:
         fingerprint = self.settings.fingerprint
         sent = 0
         drop_after = self.settings.faults.drop_after_chunks if drop else None
+        empty = random.Random(f"{self.settings.faults.seed}:{head['id']}")
+        empty_fraction = self.settings.empty_text_fraction
         while sent < total:
             await stream.wait(sent)
             due = stream.due_s
@@ -400,6 +422,8 @@ class Emulator:
             if ready == sent:  # finished early: aborted by the engine side
                 break
             text = "".join(f" t{i}" for i in range(sent, ready))
+            if empty.random() < empty_fraction:
+                text = ""  # a special token or a partial character, as vLLM streams them
             last = ready == total
             counts = wire.usage(recipe, prompt_tokens, ready, chunk=True) if continuous else None
             chunk = wire.token_chunk(
@@ -436,6 +460,24 @@ class Emulator:
         if self.settings.recipe != "v1" or self.settings.kv_role == "kv_producer":
             return None
         return log.kv_transfer_params
+
+
+def _integer_error(loc: str, value: Any) -> str:
+    """A pydantic integer error as vLLM's validation handler writes it (one error dict)."""
+    if isinstance(value, str):
+        kind, msg = (
+            "int_parsing",
+            "Input should be a valid integer, unable to parse string as an integer",
+        )
+    elif isinstance(value, float):
+        kind, msg = (
+            "int_from_float",
+            "Input should be a valid integer, got a number with a fractional part",
+        )
+    else:
+        kind, msg = "int_type", "Input should be a valid integer"
+    error = {"type": kind, "loc": loc, "msg": msg, "input": value}
+    return f"1 validation error:\n  {error}"
 
 
 def _single_prompt(body: dict[str, Any]) -> Any:

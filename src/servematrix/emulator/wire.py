@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 from typing import Any
 
@@ -38,9 +39,25 @@ def system_fingerprint(tensor_parallel: int, config_text: str) -> str:
     return f"vllm-{VERSIONS['v1']}{tp}-{digest}"
 
 
+_PATHS = (
+    re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+"),
+    re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+"),
+)
+
+
+def sanitize_message(message: str) -> str:
+    """vLLM's V1 error responses replace file paths by ``<path>`` (its
+    ``exception_handling.utils.sanitize_message``): a local model's directory included."""
+    for pattern in _PATHS:
+        message = pattern.sub("<path>", message)
+    return message.strip()
+
+
 def error_body(recipe: str, message: str, kind: str, code: int, param: str | None = None) -> str:
-    """0.33 nests the error object; 0.6 writes it flat (§4, §11.1)."""
+    """0.33 nests the error object (paths in its message sanitized); 0.6 writes it flat
+    (§4, §11.1)."""
     if recipe == "v1":
+        message = sanitize_message(message)
         return dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
     return dumps(
         {"object": "error", "message": message, "type": kind, "param": param, "code": code}
@@ -177,6 +194,21 @@ def model_list(served_names: list[str], root: str, max_model_len: int, created: 
     return dumps({"object": "list", "data": cards})
 
 
+METRIC_HELP = {
+    "vllm:num_requests_running": ("gauge", "Number of requests in model execution batches."),
+    "vllm:num_requests_waiting": ("gauge", "Number of requests waiting to be processed."),
+    "vllm:kv_cache_usage_perc": ("gauge", "KV-cache usage. 1 means 100 percent usage."),
+    "vllm:num_requests_swapped": ("gauge", "Number of requests swapped to CPU."),
+    "vllm:gpu_cache_usage_perc": ("gauge", "GPU KV-cache usage. 1 means 100 percent usage."),
+    "vllm:cpu_cache_usage_perc": ("gauge", "CPU KV-cache usage. 1 means 100 percent usage."),
+    "vllm:num_preemptions": ("counter", "Cumulative number of preemption from the engine."),
+    "vllm:prompt_tokens": ("counter", "Number of prefill tokens processed."),
+    "vllm:generation_tokens": ("counter", "Number of generation tokens processed."),
+    "vllm:tokens": ("counter", "Number of prefill plus generation tokens processed."),
+}
+"""Each series' Prometheus type and help text, as vLLM writes them (counters get ``_total``)."""
+
+
 def metrics_text(
     recipe: str,
     model_name: str,
@@ -192,73 +224,30 @@ def metrics_text(
     ``model_name`` and ``engine="0"``; 0.6 with ``model_name`` only and names KV usage
     ``gpu_cache_usage_perc``."""
     labels = f'model_name="{model_name}"' + (',engine="0"' if recipe == "v1" else "")
-    series: list[tuple[str, str, str, float]] = [
-        (
-            "vllm:num_requests_running",
-            "gauge",
-            "Number of requests in model execution batches.",
-            running,
-        ),
-        (
-            "vllm:num_requests_waiting",
-            "gauge",
-            "Number of requests waiting to be processed.",
-            waiting,
-        ),
+    series: list[tuple[str, float]] = [
+        ("vllm:num_requests_running", running),
+        ("vllm:num_requests_waiting", waiting),
     ]
     if recipe == "v1":
-        series.append(
-            (
-                "vllm:kv_cache_usage_perc",
-                "gauge",
-                "KV-cache usage. 1 means 100 percent usage.",
-                kv_usage,
-            )
-        )
+        series.append(("vllm:kv_cache_usage_perc", kv_usage))
     else:
         series += [
-            ("vllm:num_requests_swapped", "gauge", "Number of requests swapped to CPU.", 0),
-            (
-                "vllm:gpu_cache_usage_perc",
-                "gauge",
-                "GPU KV-cache usage. 1 means 100 percent usage.",
-                kv_usage,
-            ),
-            (
-                "vllm:cpu_cache_usage_perc",
-                "gauge",
-                "CPU KV-cache usage. 1 means 100 percent usage.",
-                0,
-            ),
+            ("vllm:num_requests_swapped", 0),
+            ("vllm:gpu_cache_usage_perc", kv_usage),
+            ("vllm:cpu_cache_usage_perc", 0),
         ]
     series += [
-        (
-            "vllm:num_preemptions",
-            "counter",
-            "Cumulative number of preemption from the engine.",
-            preemptions,
-        ),
-        ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", prompt_tokens),
-        (
-            "vllm:generation_tokens",
-            "counter",
-            "Number of generation tokens processed.",
-            generation_tokens,
-        ),
+        ("vllm:num_preemptions", preemptions),
+        ("vllm:prompt_tokens", prompt_tokens),
+        ("vllm:generation_tokens", generation_tokens),
     ]
     if recipe == "v0":
-        series.append(
-            (
-                "vllm:tokens",
-                "counter",
-                "Number of prefill plus generation tokens processed.",
-                prompt_tokens + generation_tokens,
-            )
-        )
+        series.append(("vllm:tokens", prompt_tokens + generation_tokens))
     lines = []
-    for name, kind, help_text, value in series:
-        lines.append(f"# HELP {name}{'_total' if kind == 'counter' else ''} {help_text}")
-        lines.append(f"# TYPE {name}{'_total' if kind == 'counter' else ''} {kind}")
+    for name, value in series:
+        kind, help_text = METRIC_HELP[name]
         sample = f"{name}_total" if kind == "counter" else name
+        lines.append(f"# HELP {sample} {help_text}")
+        lines.append(f"# TYPE {sample} {kind}")
         lines.append(f"{sample}{{{labels}}} {float(value)!r}")
     return "\n".join(lines) + "\n"

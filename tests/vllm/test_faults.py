@@ -1,0 +1,141 @@
+"""Faults on real vLLM, each ending with one clear line, no process of vLLM's tree alive (API
+server, EngineCore, Worker), every port free and no half-written file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from servematrix import config
+from tests.vllm.conftest import MARK, marked_env, marked_processes, ports_in_use, vllm_config
+from tests.workflow_helpers import cell_job, copy_workflow, start_snakemake
+
+
+def _run_cell(workdir: Path, cfg: dict[str, Any], timeout: float = 600):
+    cell = config.load(cfg).all_cells()[0].path
+    env = marked_env()
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "1", cell],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    return cell, result, env[MARK]
+
+
+def _error_line(output: str) -> str:
+    """The cell's one line: what run_cell.py prints for a failed cell."""
+    lines = [line for line in output.splitlines() if "servematrix: cell" in line]
+    assert lines, output[-3000:]
+    return lines[0]
+
+
+def _assert_clean(workdir: Path, cfg: dict[str, Any], cell: str, mark: str) -> None:
+    deadline = time.monotonic() + 20
+    while marked_processes(mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marked_processes(mark) == []
+    assert ports_in_use(cfg) == []
+    assert not (workdir / cell).exists()
+    leftovers = [p for p in (workdir / "results").rglob("*") if p.name.startswith(".")]
+    assert leftovers == [], "no half-written file"
+
+
+def test_a_flag_vllm_refuses_carries_vllms_own_error(vllm_cpu, tmp_path):
+    _, model = vllm_cpu
+    cfg = vllm_config(model, ["single"], [4], state_dir=tmp_path / "state")
+    cfg["defaults"]["max_model_len"] = 99999  # the model's own limit is 4096
+    workdir = copy_workflow(tmp_path, cfg)
+    cell, result, mark = _run_cell(workdir, cfg)
+    assert result.returncode != 0
+    line = _error_line(result.stdout + result.stderr)
+    print(f"\n{line}")
+    assert "single exited with code 1 during start-up: " in line
+    assert "max_model_len" in line and "99999" in line
+    _assert_clean(workdir, cfg, cell, mark)
+
+
+def test_a_model_directory_that_does_not_exist(vllm_cpu, tmp_path):
+    _, model = vllm_cpu
+    cfg = vllm_config(model, ["single"], [4], state_dir=tmp_path / "state")
+    missing = tmp_path / "no-such-model"
+    cfg["models"]["tiny-qwen2"]["hf_id"] = str(missing)
+    workdir = copy_workflow(tmp_path, cfg)
+    cell, result, mark = _run_cell(workdir, cfg)
+    assert result.returncode != 0
+    line = _error_line(result.stdout + result.stderr)
+    print(f"\n{line}")
+    assert "single exited with code 1 during start-up: " in line and str(missing) in line
+    _assert_clean(workdir, cfg, cell, mark)
+
+
+def test_a_port_already_taken(vllm_cpu, tmp_path):
+    _, model = vllm_cpu
+    cfg = vllm_config(model, ["nondisagg"], [4], state_dir=tmp_path / "state")
+    port = cfg["ports"]["decode"]
+    workdir = copy_workflow(tmp_path, cfg)
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        cell, result, mark = _run_cell(workdir, cfg)
+    assert result.returncode != 0
+    line = _error_line(result.stdout + result.stderr)
+    print(f"\n{line}")
+    assert f"port {port} (needed by decode) on 127.0.0.1 is already in use" in line
+    logs = workdir / "results" / "vllm" / "logs" / "deployments"
+    assert not list(logs.rglob("prefill.log")), "nothing was started"
+    _assert_clean(workdir, cfg, cell, mark)
+
+
+def _state(workdir: Path) -> dict[str, Any]:
+    states = list((workdir / "state" / "deployments").glob("*/state.json"))
+    return json.loads(states[0].read_text()) if states else {}
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "server killed"])
+def test_interrupted_in_the_middle_of_a_cell(vllm_cpu, tmp_path, how):
+    _, model = vllm_cpu
+    cfg = vllm_config(model, ["single"], [2], num_prompts=400, state_dir=tmp_path / "state")
+    workdir = copy_workflow(tmp_path, cfg)
+    cell = config.load(cfg).all_cells()[0].path
+    env = marked_env()
+    run = start_snakemake(workdir, cell, env)
+    try:
+        deadline = time.monotonic() + 300
+        while _state(workdir).get("status") != "ready":
+            assert run.poll() is None, run.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the deployment never became ready"
+            time.sleep(0.5)
+        time.sleep(5)  # requests in flight
+        if how == "SIGTERM":  # what Snakemake or SLURM sends a job it cancels
+            os.kill(cell_job(workdir), signal.SIGTERM)
+        elif how == "Ctrl-C":
+            os.killpg(run.pid, signal.SIGINT)
+        else:  # the API server dies (its EngineCore and Worker are left to the supervisor)
+            os.kill(dict(_state(workdir)["groups"])["single"], signal.SIGKILL)
+        output, _ = run.communicate(timeout=180)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode != 0
+    if how == "server killed":
+        line = _error_line(output)
+        print(f"\n{line}")
+        assert "single exited with code -9 while serving" in line
+    else:
+        lines = [line for line in output.splitlines() if "servematrix: cell" in line]
+        assert lines and "interrupted" in lines[0], output[-3000:]
+        print(f"\n{how}: {lines[0]}")
+    _assert_clean(workdir, cfg, cell, env[MARK])
