@@ -165,7 +165,7 @@ def _table(rows: list[dict]) -> Table:
                 fmt_rate(r["capacity_rps"]),
                 fmt_rate(_per_gpu(r)),
                 _interval(r),
-                f"{r['output_tokens_per_s_per_gpu']:,.0f}",
+                fmt_rate(r["output_tokens_per_s_per_gpu"]),
                 r["breaks_first"] or "none up to the search's limit",
                 "—" if r["cost_per_mtok_usd"] is None else f"{r['cost_per_mtok_usd']:,.2f}",
             ]
