@@ -8,6 +8,7 @@ when it has arrived (`servematrix.simulate.v1`, which also runs the pipelined pa
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import asdict
 from math import inf
 from typing import Any
@@ -25,7 +26,18 @@ from servematrix.engine.transfer import (
     kv_bytes_per_token_per_rank,
     kv_link,
 )
-from servematrix.simulate.events import ClientSlots, Event, EventQueue
+from servematrix.simulate.events import (
+    ARRIVE,
+    ARRIVE_DECODE,
+    ARRIVE_TRANSFER,
+    DECODE_DONE,
+    LINK,
+    PREFILL_DONE,
+    RECEIVE_DONE,
+    SLOT_FREED,
+    ClientSlots,
+    EventQueue,
+)
 from servematrix.simulate.requests import (
     Requests,
     Served,
@@ -121,24 +133,24 @@ class Disaggregated(V0Handoff, V1Handoff):
         # Least time from an event of each kind to a request joining the decoder.
         to_decoder_s = self._decode_hop_s + self._link_min_s
         self._event_leads = {
-            Event.ARRIVE: to_decoder_s,
-            Event.SLOT_FREED: self._hop_in_s + self._decode_hop_s + self._link_min_s,
-            Event.PREFILL_DONE: to_decoder_s,
-            Event.ARRIVE_DECODE: self._link_min_s,
-            Event.ARRIVE_TRANSFER: self._link_min_s,
-            Event.LINK: 0.0,
-            Event.DECODE_DONE: 0.0,
-            Event.RECEIVE_DONE: 0.0,
+            ARRIVE: to_decoder_s,
+            SLOT_FREED: self._hop_in_s + self._decode_hop_s + self._link_min_s,
+            PREFILL_DONE: to_decoder_s,
+            ARRIVE_DECODE: self._link_min_s,
+            ARRIVE_TRANSFER: self._link_min_s,
+            LINK: 0.0,
+            DECODE_DONE: 0.0,
+            RECEIVE_DONE: 0.0,
         }
         self._handlers = {
-            Event.ARRIVE: self._on_arrive_prefill,
-            Event.PREFILL_DONE: self._on_prefill_done,
-            Event.ARRIVE_DECODE: self._on_arrive_decode,
-            Event.ARRIVE_TRANSFER: self._on_arrive_transfer,
-            Event.LINK: self._on_link,
-            Event.DECODE_DONE: self._on_decode_done,
-            Event.RECEIVE_DONE: self._on_receive_done,
-            Event.SLOT_FREED: self._on_slot_freed,
+            ARRIVE: self._on_arrive_prefill,
+            PREFILL_DONE: self._on_prefill_done,
+            ARRIVE_DECODE: self._on_arrive_decode,
+            ARRIVE_TRANSFER: self._on_arrive_transfer,
+            LINK: self._on_link,
+            DECODE_DONE: self._on_decode_done,
+            RECEIVE_DONE: self._on_receive_done,
+            SLOT_FREED: self._on_slot_freed,
         }
 
     def _kv_of(self, input_len: int) -> tuple[float, float, float, float]:
@@ -203,7 +215,7 @@ class Disaggregated(V0Handoff, V1Handoff):
         arrivals.append((inf, -1))  # sentinel: no more arrivals
         up = UpstreamRecording([t for t, _ in arrivals])
         self.recording = up if recording else None
-        events, heap, handlers = self.events, self.events.heap, self._handlers
+        events, heap, handlers, pop = self.events, self.events.heap, self._handlers, heapq.heappop
         prefill, decode, on_arrive = self.prefill, self.decode, self._on_arrive_prefill
         i = 0
         while True:
@@ -221,14 +233,17 @@ class Disaggregated(V0Handoff, V1Handoff):
                         on_arrive(arrivals[i][0], arrivals[i][1])
                         i += 1
             else:
-                now, _, kind, payload = events.pop()
+                now, _, kind, payload = pop(heap)
                 handlers[kind](now, payload)
             if not (self._prefill_blocked or self._prefill_busy) and prefill.has_work():
                 # A prefill instance never has a decode run (its requests finish with their
                 # first token) nor receives KV: one step.
                 result = prefill.step()
-                events.push(now + result.duration_s, Event.PREFILL_DONE, (now, result))
-                self._set_prefill_busy(now, True)
+                events.push(now + result.duration_s, PREFILL_DONE, (now, result))
+                if self._receive is None:  # no V0 receive in flight to tell
+                    self._prefill_busy = True
+                else:
+                    self._set_prefill_busy(now, True)
             if not recording and not self._decode_busy and decode.has_work():
                 # A waiting request rules out a decode run: no horizon needed then.
                 waiting = decode.scheduler.waiting
@@ -248,13 +263,13 @@ class Disaggregated(V0Handoff, V1Handoff):
         self._decode_busy = True
         run = self.decode.decode_run(next_event - now)
         if run is not None:
-            self.events.push(now + run.step_ends_s[-1], Event.DECODE_DONE, (now, run))
+            self.events.push(now + run.step_ends_s[-1], DECODE_DONE, (now, run))
             return
         result = self.decode.step()
         if result.num_received:
             self._received(now, result)
         else:
-            self.events.push(now + result.duration_s, Event.DECODE_DONE, (now, result))
+            self.events.push(now + result.duration_s, DECODE_DONE, (now, result))
 
     def _decode_horizon(self, next_arrival: float) -> float:
         """Earliest time an event could change the decode batch: a decode run may go on until
@@ -276,12 +291,15 @@ class Disaggregated(V0Handoff, V1Handoff):
         if request is None:
             # Refused (the error text says what the client saw): nothing reaches an engine.
             if self.slots is not None:  # the slot frees when the answer is back
-                self.events.push(now + self._hop_in_s, Event.SLOT_FREED, None)
+                self.events.push(now + self._hop_in_s, SLOT_FREED, None)
             return
         self.prefill.add_request(request)
 
     def _on_prefill_done(self, now: float, payload: tuple[float, StepResult]) -> None:
-        self._set_prefill_busy(now, False)
+        if self._receive is None:  # no V0 receive in flight to tell
+            self._prefill_busy = False
+        else:
+            self._set_prefill_busy(now, False)
         started, result = payload
         recording = self.recording
         if recording is not None:
@@ -291,7 +309,7 @@ class Disaggregated(V0Handoff, V1Handoff):
             self._inserting.extend(finished)
             self._insert(now)
         elif finished:
-            self.events.push(now + self._decode_hop_s, Event.ARRIVE_TRANSFER, finished)
+            self.events.push(now + self._decode_hop_s, ARRIVE_TRANSFER, finished)
             if recording is not None:
                 recording.transfers.append((now, now + self._decode_hop_s))
 
@@ -302,7 +320,7 @@ class Disaggregated(V0Handoff, V1Handoff):
         emit_chunks(chunks, started, now, result, self._chunk_hop_s)
         if self.slots is not None:  # a slot frees when the last chunk reaches the client
             for request in result.finished:
-                self.events.push(chunks[request.request_id][-1], Event.SLOT_FREED, None)
+                self.events.push(chunks[request.request_id][-1], SLOT_FREED, None)
 
     def _on_slot_freed(self, now: float, payload: None) -> None:
         """The simulated client sends the next requests its free slots allow, in order, each
@@ -311,4 +329,4 @@ class Disaggregated(V0Handoff, V1Handoff):
         self.slots.release()
         first = self.cell.workload.warmup_requests
         for k, sent in self.slots.take(now):
-            self.events.push(sent + self._hop_in_s, Event.ARRIVE, first + k)
+            self.events.push(sent + self._hop_in_s, ARRIVE, first + k)

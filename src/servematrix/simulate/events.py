@@ -30,6 +30,21 @@ class Event(IntEnum):
     """V0: the decoder's step receiving KV ends (unless superseded since it was queued)."""
 
 
+# The members by name, as ``re.IGNORECASE`` or ``socket.AF_INET`` are: the drivers name a kind
+# per event, and an attribute of an Enum class costs ~0.2 us on Python 3.11 (a global ~0.02).
+(
+    ARRIVE,
+    STEP_DONE,
+    SLOT_FREED,
+    PREFILL_DONE,
+    ARRIVE_DECODE,
+    ARRIVE_TRANSFER,
+    LINK,
+    DECODE_DONE,
+    RECEIVE_DONE,
+) = Event
+
+
 class EventQueue:
     """Events ``(time, sequence, kind, payload)`` in time order; events at one time come out
     in the order they were pushed (the sequence number breaks ties, payloads never compare)."""

@@ -128,13 +128,23 @@ def emit_chunks(
     """The chunks a step (or a run of decode steps) that started at ``started_s`` and ended at
     ``now_s`` streams back: each token reaches the client ``hop_s`` after its step's end."""
     if isinstance(result, DecodeRun):
-        ends = [started_s + hop_s + end for end in result.step_ends_s]
-        for request in result.requests:
-            chunks[request.request_id].extend(ends)
+        emit_run(chunks, started_s, result, hop_s)
     else:
-        seen = now_s + hop_s
-        for request in result.emitted:
-            chunks[request.request_id].append(seen)
+        emit_step(chunks, now_s, result, hop_s)
+
+
+def emit_run(chunks: list[list[float]], started_s: float, run: DecodeRun, hop_s: float) -> None:
+    """`emit_chunks` of a run of decode steps (for a loop that knows it has one)."""
+    ends = [started_s + hop_s + end for end in run.step_ends_s]
+    for request in run.requests:
+        chunks[request.request_id].extend(ends)
+
+
+def emit_step(chunks: list[list[float]], now_s: float, result: StepResult, hop_s: float) -> None:
+    """`emit_chunks` of one step that ended at ``now_s``."""
+    seen = now_s + hop_s
+    for request in result.emitted:
+        chunks[request.request_id].append(seen)
 
 
 def warm_up(

@@ -13,12 +13,14 @@ from servematrix.config import Cell
 from servematrix.engine.instance import EngineInstance
 from servematrix.engine.scheduler import Request
 from servematrix.engine.transfer import ProxyHop
-from servematrix.simulate.events import ClientSlots, Event, EventQueue
+from servematrix.simulate.events import ARRIVE, SLOT_FREED, STEP_DONE, ClientSlots, EventQueue
 from servematrix.simulate.requests import (
     Requests,
     Served,
     capped,
     emit_chunks,
+    emit_run,
+    emit_step,
     records,
     warm_up,
 )
@@ -115,12 +117,12 @@ def run_instance(
             i += 1
         run = instance.decode_run(arrival_at[i] - clock)
         if run is not None:
-            emit_chunks(chunks, clock, clock, run, hop_out_s)
+            emit_run(chunks, clock, run, hop_out_s)
             clock += run.step_ends_s[-1]
             continue
         result = instance.step()
         clock += result.duration_s
-        emit_chunks(chunks, clock, clock, result, hop_out_s)
+        emit_step(chunks, clock, result, hop_out_s)
 
 
 class _CappedRun:
@@ -148,14 +150,14 @@ class _CappedRun:
         # Least time from an event of each kind to an arrival at some instance: a decode run
         # may go on until the earliest of them.
         self.leads = {
-            Event.ARRIVE: 0.0,
-            Event.SLOT_FREED: hop_in_s,
-            Event.STEP_DONE: hop_out_s + hop_in_s,
+            ARRIVE: 0.0,
+            SLOT_FREED: hop_in_s,
+            STEP_DONE: hop_out_s + hop_in_s,
         }
         self.handlers = {
-            Event.ARRIVE: self._on_arrive,
-            Event.SLOT_FREED: self._on_slot_freed,
-            Event.STEP_DONE: self._on_step_done,
+            ARRIVE: self._on_arrive,
+            SLOT_FREED: self._on_slot_freed,
+            STEP_DONE: self._on_step_done,
         }
 
     def run(self) -> None:
@@ -175,7 +177,7 @@ class _CappedRun:
     def _send(self, now: float) -> None:
         """The client sends while it holds a free slot."""
         for k, sent in self.slots.take(now):
-            self.events.push(sent + self.hop_in_s, Event.ARRIVE, self.requests[k])
+            self.events.push(sent + self.hop_in_s, ARRIVE, self.requests[k])
 
     def _start_idle(self, now: float) -> None:
         events, leads = self.events, self.leads
@@ -189,13 +191,13 @@ class _CappedRun:
             else:
                 result = instance.step()
                 done_at, payload = now + result.duration_s, (now, result)
-            events.push(done_at, Event.STEP_DONE, (index, payload))
+            events.push(done_at, STEP_DONE, (index, payload))
             self.busy[index] = True
 
     def _on_arrive(self, now: float, payload: tuple[int, Request | None]) -> None:
         index, request = payload
         if request is None:
-            self.events.push(now + self.hop_out_s, Event.SLOT_FREED, None)
+            self.events.push(now + self.hop_out_s, SLOT_FREED, None)
         else:
             self.instances[index].add_request(request)
 
@@ -208,4 +210,4 @@ class _CappedRun:
         chunks = self.chunks
         emit_chunks(chunks, started, now, result, self.hop_out_s)
         for request in result.finished:
-            self.events.push(chunks[request.request_id][-1], Event.SLOT_FREED, None)
+            self.events.push(chunks[request.request_id][-1], SLOT_FREED, None)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from servematrix.engine.instance import StepResult
 from servematrix.engine.scheduler import Request
 from servematrix.engine.transfer import v0_receive_segments
-from servematrix.simulate.events import Event
+from servematrix.simulate.events import ARRIVE_DECODE, RECEIVE_DONE
 
 if TYPE_CHECKING:
     from servematrix.simulate.disagg import Disaggregated
@@ -81,7 +81,7 @@ class V0Handoff:
             self._prefill_blocked = False
         for request_id in self._inserting:
             # The proxy drains the 1-token response, then sends the request to the decoder.
-            self.events.push(now + self._decode_hop_s, Event.ARRIVE_DECODE, request_id)
+            self.events.push(now + self._decode_hop_s, ARRIVE_DECODE, request_id)
         self._inserting, self._inserted = [], 0
 
     def _on_arrive_decode(self: Disaggregated, now: float, request_id: int) -> None:
@@ -131,7 +131,7 @@ class V0Handoff:
         receive.version += 1
         end = receive.end_s(self._prefill_busy)
         if end < inf:
-            self.events.push(end, Event.RECEIVE_DONE, receive.version)
+            self.events.push(end, RECEIVE_DONE, receive.version)
 
     def _on_receive_done(self: Disaggregated, now: float, version: int) -> None:
         receive = self._receive

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from servematrix.engine.instance import DecodeRun, StepResult
 from servematrix.engine.scheduler import Request
-from servematrix.simulate.events import Event
-from servematrix.simulate.requests import emit_chunks
+from servematrix.simulate.events import LINK, PREFILL_DONE
+from servematrix.simulate.requests import emit_run, emit_step
 
 if TYPE_CHECKING:
     from servematrix.simulate.disagg import Disaggregated
@@ -111,19 +111,20 @@ class V1Handoff:
 
     def _on_link(self: Disaggregated, now: float, payload: None) -> None:
         self._link_event_at = inf
-        done = [request_id for _, request_id in self.link.advance(now)]
+        done = self.link.advance(now)
         if done:
+            request_ids = [request_id for _, request_id in done]
             if self.recording is None:
-                self._join_decoder(done)
+                self._join_decoder(request_ids)
             else:
-                self.recording.joins.append((now, done))
+                self.recording.joins.append((now, request_ids))
         self._schedule_link(now)
 
     def _schedule_link(self: Disaggregated, now: float) -> None:
         nxt = self.link.next_event_s()
         if nxt < self._link_event_at:
             self._link_event_at = nxt
-            self.events.push(nxt, Event.LINK, None)
+            self.events.push(nxt, LINK, None)
             if self.recording is not None:
                 self.recording.link_events.append((now, nxt))
 
@@ -141,10 +142,10 @@ class V1Handoff:
     def _decode_pass(self: Disaggregated, up: UpstreamRecording) -> None:
         """The decoder after the upstream pass: requests join at the recorded times, and a
         decode run may go on until the horizon `_decode_horizon` would give on the full queue."""
-        decode, chunks, hop = self.decode, self.chunks, self._chunk_hop_s
+        decode, chunks, hop, join = self.decode, self.chunks, self._chunk_hop_s, self._join_decoder
         waiting = decode.scheduler.waiting
         upstream_times = up.times()
-        horizon_at = up.horizon(self._event_leads[Event.PREFILL_DONE], self._link_min_s)
+        horizon_at = up.horizon(self._event_leads[PREFILL_DONE], self._link_min_s)
         joins = up.joins
         joins.append((inf, []))  # sentinel
         j = 0
@@ -158,7 +159,7 @@ class V1Handoff:
                 if join_at == done_at:
                     raise OrderTie
                 now = join_at
-                self._join_decoder(joins[j][1])
+                join(joins[j][1])
                 j += 1
                 if done_at < inf:
                     continue  # busy: they wait for the next step
@@ -166,8 +167,11 @@ class V1Handoff:
                 now = done_at
                 if now in upstream_times:
                     raise OrderTie
-                assert result is not None
-                emit_chunks(chunks, started, now, result, hop)
+                if isinstance(result, DecodeRun):
+                    emit_run(chunks, started, result, hop)
+                else:
+                    assert result is not None
+                    emit_step(chunks, now, result, hop)
                 done_at = inf
                 if not decode.has_work():
                     continue
