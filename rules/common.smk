@@ -10,9 +10,10 @@ from servematrix.workflow import fail_on_config_error, predicted_config, workflo
 
 # Snakemake's own `config` is not used: the workflow re-reads the config file (the
 # --configfile ones if given, else config/config.yaml, never both merged) with the same
-# loader and checks as `servematrix check`, then applies the --config overrides.
+# loader and checks as `servematrix check`, then applies the --config overrides. RUN_CONFIG is
+# that validated config (servematrix.config.Config), PREDICTED its simulator twin.
 with fail_on_config_error():
-    SB = workflow_config(
+    RUN_CONFIG = workflow_config(
         workflow.config_settings.configfiles,
         workflow.config_settings.config,
         Path(workflow.basedir) / "config" / "schema.yaml",
@@ -23,7 +24,7 @@ def get_predicted_config():
     """A measured run's simulator twin (rules/compare.smk): None on the simulator, or when the
     engine cannot model the config; a measured run never fails for want of a prediction."""
     try:
-        return predicted_config(SB)
+        return predicted_config(RUN_CONFIG)
     except sb_config.ConfigError as error:
         print(f"servematrix: no simulator prediction to compare with: {error}", file=sys.stderr)
         return None
@@ -32,12 +33,12 @@ def get_predicted_config():
 PREDICTED = get_predicted_config()
 # The cells whose step-time sources the report states: the run's own on the simulator, else
 # the twin's (the emulator runs the same engine, so the same sources).
-SIMULATED = SB if SB.backend == "simulator" else PREDICTED
+SIMULATED = RUN_CONFIG if RUN_CONFIG.backend == "simulator" else PREDICTED
 # The report's Jinja templates read `config`: give them the validated one, defaults filled.
 config.clear()
-config.update(SB.raw)
+config.update(RUN_CONFIG.raw)
 
-STUDIES = SB.studies
+STUDIES = RUN_CONFIG.studies
 FIGURES = ("ttft", "tpot", "itl", "throughput", "memory")
 COMPARED_FIGURES = ("ttft", "tpot", "itl", "throughput")  # servematrix.compare.COMPARED_FIGURES
 # The workload's file name is spelled by servematrix.config.workload_token alone.
@@ -46,17 +47,17 @@ CELL_PATTERN = "{recipe}/{model}/{mode}/{workload}"
 
 wildcard_constraints:
     backend=sb_config.wildcard_pattern(
-        [SB.backend, *([PREDICTED.backend] if PREDICTED is not None else [])]
+        [RUN_CONFIG.backend, *([PREDICTED.backend] if PREDICTED is not None else [])]
     ),
     recipe=sb_config.wildcard_pattern(sb_config.RECIPES),
-    model=sb_config.wildcard_pattern(SB.models),
+    model=sb_config.wildcard_pattern(RUN_CONFIG.models),
     mode=sb_config.wildcard_pattern(sb_config.MODES),
     study=sb_config.wildcard_pattern(STUDIES),
     workload=sb_config.WORKLOAD_TOKEN_PATTERN,
 
 
 def study_outputs(study):
-    base = f"results/{SB.backend}"
+    base = f"results/{RUN_CONFIG.backend}"
     return [
         f"{base}/summary/{study}.parquet",
         f"{base}/summary/{study}.csv",
@@ -74,7 +75,7 @@ def prediction_outputs(study):
     if SIMULATED is not None:
         outputs += [f"results/simulator/step_times/{study}.{ext}" for ext in ("md", "html")]
     if PREDICTED is not None:
-        base = f"results/{SB.backend}/compare/{study}"
+        base = f"results/{RUN_CONFIG.backend}/compare/{study}"
         outputs += [f"{base}/ratios.{ext}" for ext in ("parquet", "csv", "html")]
         outputs += expand(
             f"{base}/{{figure}}.{{ext}}", figure=COMPARED_FIGURES, ext=("svg", "html")
@@ -84,7 +85,7 @@ def prediction_outputs(study):
 
 def get_final_output():
     """Every study's outputs, and every trace: a deleted trace is rebuilt, with its aggregates."""
-    traces = [cell.path for cell in SB.all_cells()]
+    traces = [cell.path for cell in RUN_CONFIG.all_cells()]
     return traces + [
         path for study in STUDIES for path in study_outputs(study) + prediction_outputs(study)
     ]
@@ -92,7 +93,7 @@ def get_final_output():
 
 def config_of(backend):
     """The run's config, or its simulator twin for the twin's paths."""
-    return PREDICTED if PREDICTED is not None and backend == PREDICTED.backend else SB
+    return PREDICTED if PREDICTED is not None and backend == PREDICTED.backend else RUN_CONFIG
 
 
 def cell_path_of(wildcards):
@@ -140,4 +141,4 @@ def get_study_x(wildcards):
 
 
 def get_slo_ms(wildcards):
-    return dict(SB.slo_ms)
+    return dict(RUN_CONFIG.slo_ms)
