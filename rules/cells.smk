@@ -23,27 +23,27 @@ def cell_group(wildcards):
     components merged), so the deployment starts once per job and warm reuse holds there too.
     Locally cells stay separate jobs: priorities and the deployment registry keep them
     together. (Evaluated while the DAG is built, when the executor is known.)"""
-    if workflow.local_exec or wildcards.backend != SB.backend:
+    if workflow.local_exec or wildcards.backend != RUN_CONFIG.backend:
         return None  # locally, or a measured run's simulator twin (rules/compare.smk)
     settings = workflow.group_settings
-    names = deployment_groups(SB)
+    names = deployment_groups(RUN_CONFIG)
     merged = dict(settings.group_components or {})
     if names[0] not in merged:
-        merged.update({name: len(SB.all_cells()) for name in names})
+        merged.update({name: len(RUN_CONFIG.all_cells()) for name in names})
         settings.group_components = merged
-    return deployment_group(SB, CELL_PATTERN.format(**dict(wildcards.items())))
+    return deployment_group(RUN_CONFIG, CELL_PATTERN.format(**dict(wildcards.items())))
 
 
 def cell_gpus(wildcards):
     """GPUs to request from the scheduler (SLURM --gpus): the deployment's pins, on vllm."""
     if wildcards.backend != "vllm":
         return 0
-    return pinned_gpu_count(SB, CELL_PATTERN.format(**dict(wildcards.items())))
+    return pinned_gpu_count(RUN_CONFIG, CELL_PATTERN.format(**dict(wildcards.items())))
 
 
 def cell_priority(wildcards):
     """Cells of one deployment run back to back (each deployment starts once per run)."""
-    return deployment_priority(SB, CELL_PATTERN.format(**dict(wildcards.items())))
+    return deployment_priority(RUN_CONFIG, CELL_PATTERN.format(**dict(wildcards.items())))
 
 
 rule cell:
@@ -74,12 +74,12 @@ stop_jobs_on_interrupt()
 # would, a little later, if Snakemake itself is killed). A cluster job (a group of cells on a
 # compute node) runs without these hooks, so it stops its own deployments when it exits.
 if workflow.remote_exec:
-    atexit.register(stop_deployments, SB)
+    atexit.register(stop_deployments, RUN_CONFIG)
 
 
 onsuccess:
-    stop_deployments(SB)
+    stop_deployments(RUN_CONFIG)
 
 
 onerror:
-    stop_deployments(SB)
+    stop_deployments(RUN_CONFIG)

@@ -11,9 +11,10 @@ from servematrix.workflow import fail_on_config_error, predicted_config, workflo
 
 # Snakemake's own `config` is not used: the workflow re-reads the config file (the
 # --configfile ones if given, else config/config.yaml, never both merged) with the same
-# loader and checks as `servematrix check`, then applies the --config overrides.
+# loader and checks as `servematrix check`, then applies the --config overrides. RUN_CONFIG is
+# that validated config (servematrix.config.Config), PREDICTED its simulator twin.
 with fail_on_config_error():
-    SB = workflow_config(
+    RUN_CONFIG = workflow_config(
         workflow.config_settings.configfiles,
         workflow.config_settings.config,
         Path(workflow.basedir) / "config" / "schema.yaml",
@@ -24,7 +25,7 @@ def get_predicted_config():
     """A measured run's simulator twin (rules/compare.smk): None on the simulator, or when the
     engine cannot model the config; a measured run never fails for want of a prediction."""
     try:
-        return predicted_config(SB)
+        return predicted_config(RUN_CONFIG)
     except sb_config.ConfigError as error:
         print(f"servematrix: no simulator prediction to compare with: {error}", file=sys.stderr)
         return None
@@ -33,12 +34,12 @@ def get_predicted_config():
 PREDICTED = get_predicted_config()
 # The cells whose step-time sources the report states: the run's own on the simulator, else
 # the twin's (the emulator runs the same engine, so the same sources).
-SIMULATED = SB if SB.backend == "simulator" else PREDICTED
+SIMULATED = RUN_CONFIG if RUN_CONFIG.backend == "simulator" else PREDICTED
 # The report's Jinja templates read `config`: give them the validated one, defaults filled.
 config.clear()
-config.update(SB.raw)
+config.update(RUN_CONFIG.raw)
 
-STUDIES = SB.studies
+STUDIES = RUN_CONFIG.studies
 FIGURES = ("ttft", "tpot", "itl", "throughput", "memory")
 COMPARED_FIGURES = ("ttft", "tpot", "itl", "throughput")  # servematrix.compare.COMPARED_FIGURES
 # The workload's file name is spelled by servematrix.config.workload_token alone.
@@ -47,10 +48,10 @@ CELL_PATTERN = "{recipe}/{model}/{mode}/{workload}"
 
 wildcard_constraints:
     backend=sb_config.wildcard_pattern(
-        [SB.backend, *([PREDICTED.backend] if PREDICTED is not None else [])]
+        [RUN_CONFIG.backend, *([PREDICTED.backend] if PREDICTED is not None else [])]
     ),
     recipe=sb_config.wildcard_pattern(sb_config.RECIPES),
-    model=sb_config.wildcard_pattern(SB.models),
+    model=sb_config.wildcard_pattern(RUN_CONFIG.models),
     mode=sb_config.wildcard_pattern(sb_config.MODES),
     study=sb_config.wildcard_pattern(STUDIES),
     workload=sb_config.WORKLOAD_TOKEN_PATTERN,
@@ -58,7 +59,7 @@ wildcard_constraints:
 
 
 def study_outputs(study):
-    base = f"results/{SB.backend}"
+    base = f"results/{RUN_CONFIG.backend}"
     return [
         f"{base}/summary/{study}.parquet",
         f"{base}/summary/{study}.csv",
@@ -72,9 +73,9 @@ def study_outputs(study):
 
 def capacity_outputs(study):
     """The study's capacity table and charts, when the config states an SLO to search against."""
-    if not SB.slo.defined:
+    if not RUN_CONFIG.slo.defined:
         return []
-    base = f"results/{SB.backend}"
+    base = f"results/{RUN_CONFIG.backend}"
     return [f"{base}/capacity/{study}.{ext}" for ext in ("parquet", "csv", "html")] + [
         f"{base}/figures/{study}/{name}.{ext}"
         for name in ("capacity", "pareto")
@@ -98,7 +99,7 @@ def prediction_outputs(study):
     if SIMULATED is not None:
         outputs += [f"results/simulator/step_times/{study}.{ext}" for ext in ("md", "html")]
     if PREDICTED is not None:
-        base = f"results/{SB.backend}/compare/{study}"
+        base = f"results/{RUN_CONFIG.backend}/compare/{study}"
         outputs += [f"{base}/ratios.{ext}" for ext in ("parquet", "csv", "html")]
         outputs += expand(
             f"{base}/{{figure}}.{{ext}}", figure=COMPARED_FIGURES, ext=("svg", "html")
@@ -108,8 +109,8 @@ def prediction_outputs(study):
 
 def get_final_output():
     """Every study's outputs, and every trace: a deleted trace is rebuilt, with its aggregates."""
-    traces = [cell.path for cell in SB.all_cells()]
-    front = [f"results/{SB.backend}/overview.html"] if SB.slo.defined else []
+    traces = [cell.path for cell in RUN_CONFIG.all_cells()]
+    front = [f"results/{RUN_CONFIG.backend}/overview.html"] if RUN_CONFIG.slo.defined else []
     return (
         traces
         + [path for study in STUDIES for path in study_outputs(study) + prediction_outputs(study)]
@@ -119,7 +120,7 @@ def get_final_output():
 
 def config_of(backend):
     """The run's config, or its simulator twin for the twin's paths."""
-    return PREDICTED if PREDICTED is not None and backend == PREDICTED.backend else SB
+    return PREDICTED if PREDICTED is not None and backend == PREDICTED.backend else RUN_CONFIG
 
 
 def cell_path_of(wildcards):
@@ -209,11 +210,11 @@ def get_findings_capacity(wildcards):
 
 
 def get_slo_description(wildcards):
-    return SB.slo.describe()
+    return RUN_CONFIG.slo.describe()
 
 
 def get_engine_gpu(wildcards):
-    return str(SB.raw["engine"]["gpu"])
+    return str(RUN_CONFIG.raw["engine"]["gpu"])
 
 
 def get_backend(wildcards):
@@ -221,13 +222,13 @@ def get_backend(wildcards):
 
 
 def get_slo(wildcards):
-    return dict(SB.raw["slo"])
+    return dict(RUN_CONFIG.raw["slo"])
 
 
 def get_capacity_settings(wildcards):
-    return dict(SB.raw["capacity"])
+    return dict(RUN_CONFIG.raw["capacity"])
 
 
 def get_slo_ms(wildcards):
     """Per-request goodput bounds (servematrix.slo)."""
-    return SB.slo.per_request_ms()
+    return RUN_CONFIG.slo.per_request_ms()

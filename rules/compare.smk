@@ -27,12 +27,12 @@ if PREDICTED is not None:
     rule compare:
         input:
             predicted="results/simulator/summary/{study}.parquet",
-            measured=f"results/{SB.backend}/summary/{{study}}.parquet",
+            measured=f"results/{RUN_CONFIG.backend}/summary/{{study}}.parquet",
         output:
-            parquet=f"results/{SB.backend}/compare/{{study}}/ratios.parquet",
-            csv=f"results/{SB.backend}/compare/{{study}}/ratios.csv",
+            parquet=f"results/{RUN_CONFIG.backend}/compare/{{study}}/ratios.parquet",
+            csv=f"results/{RUN_CONFIG.backend}/compare/{{study}}/ratios.csv",
             html=report(
-                f"results/{SB.backend}/compare/{{study}}/ratios.html",
+                f"results/{RUN_CONFIG.backend}/compare/{{study}}/ratios.html",
                 caption="../report/compare_ratios.rst",
                 category="{study}",
                 subcategory="Predicted vs measured",
@@ -40,7 +40,7 @@ if PREDICTED is not None:
             ),
             **{
                 figure: report(
-                    f"results/{SB.backend}/compare/{{study}}/{figure}.svg",
+                    f"results/{RUN_CONFIG.backend}/compare/{{study}}/{figure}.svg",
                     caption="../report/compare_figures.rst",
                     category="{study}",
                     subcategory="Predicted vs measured",
@@ -49,11 +49,11 @@ if PREDICTED is not None:
                 for figure in COMPARED_FIGURES
             },
             **{
-                f"{figure}_html": f"results/{SB.backend}/compare/{{study}}/{figure}.html"
+                f"{figure}_html": f"results/{RUN_CONFIG.backend}/compare/{{study}}/{figure}.html"
                 for figure in COMPARED_FIGURES
             },
         log:
-            f"results/{SB.backend}/logs/compare/{{study}}.log",
+            f"results/{RUN_CONFIG.backend}/logs/compare/{{study}}.log",
         params:
             title=get_study_title,
             x=get_study_x,

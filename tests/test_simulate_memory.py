@@ -109,7 +109,9 @@ def test_emulator_layout_is_the_one_its_servers_build(
             for name, value in process.env.items():
                 env.setenv(name, value)
             args = emulator_cli.parse_args(list(process.argv[1:]))
-            model = emulator_cli.resolve_model(args.model, args.quantization)
+            model = emulator_cli.resolve_model(
+                args.model, args.quantization, args.architecture, args.modelled_quantization
+            )
             max_model_len = emulator_cli._max_model_len(args, model)
             setup = emulator_cli.engine_setup(args, model, max_model_len)
         assert layout["kv_pool_blocks"] == setup.kv.num_blocks, process.name
