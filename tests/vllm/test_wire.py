@@ -18,7 +18,7 @@ import pytest
 from servematrix import config
 from servematrix.deploy.recipes import plan
 from servematrix.deploy.supervise import Deployment
-from tests.vllm.conftest import vllm_config
+from tests.vllm.conftest import free_base, ports, vllm_config
 
 DOC = Path(__file__).parents[2] / "docs" / "emulator-wire.md"
 MAX_MODEL_LEN = 2048
@@ -242,8 +242,14 @@ def servers(vllm_cpu, tmp_path_factory):
     _, model = vllm_cpu
     root = tmp_path_factory.mktemp("wire")
     started: dict[tuple[str, bool], tuple[str, Deployment]] = {}
+    bases: list[int] = []
+    while len(bases) < 2:  # two distinct port blocks (nothing is bound until both start)
+        base = free_base()
+        if base not in bases:
+            bases.append(base)
     for dev in (False, True):
         cfg = vllm_config(model, ["single"], [4])
+        cfg["ports"] = ports(bases[dev])
         cfg["defaults"]["prefix_caching"] = dev
         cell = config.load(cfg).all_cells()[0]
         if dev:  # the second vLLM server on the second core
