@@ -137,8 +137,12 @@ def test_v1_stream_non_stream_errors_and_metrics():
         # Some chunks carry "" (EMPTY_TEXT_FRACTION), as vLLM's special tokens do.
         texts = [c["choices"][0]["text"] for c in tokens]
         assert all(t == "" or re.fullmatch(r"( t\d)+", t) for t in texts), texts
-        assert [c["usage"]["completion_tokens"] for c in tokens] == [1, 2, 3, 4]
-        assert [c["choices"][0]["finish_reason"] for c in tokens] == [None, None, None, "length"]
+        # One chunk per token, unless the handler fell behind the engine and merged the tokens
+        # released meanwhile into one chunk (as vLLM does): counts rise to 4, "length" last.
+        counts = [c["usage"]["completion_tokens"] for c in tokens]
+        assert counts == sorted(set(counts)) and counts[-1] == 4, counts
+        reasons = [c["choices"][0]["finish_reason"] for c in tokens]
+        assert reasons[-1] == "length" and set(reasons[:-1]) <= {None}, reasons
         assert all(c["id"] == "cmpl-req-a" and c["kv_transfer_params"] is None for c in tokens)
         assert usage_chunk["choices"] == []
         assert usage_chunk["usage"] == {
@@ -171,8 +175,8 @@ def test_v1_stream_non_stream_errors_and_metrics():
             "2049 input tokens"
         )
         assert (error["param"], error["code"]) == ("input_tokens", 400)
-        clamped = events(post(url, stream_body(list(range(2046)), 10))[1])
-        assert len(clamped) == 3  # two tokens (2048 - 2046), then [DONE]
+        clamped = events(post(url, stream_body(list(range(2046)), 10, **USAGE))[1])
+        assert json.loads(clamped[-2])["usage"]["completion_tokens"] == 2  # 2048 - 2046
         status, raw = post(url, {"model": "other", "prompt": [1], "max_tokens": 1})
         assert status == 404
         assert json.loads(raw)["error"]["message"] == (
@@ -534,8 +538,8 @@ def test_v0_ignores_a_prompt_its_pool_can_never_admit():
         status, raw = post(url, plain, "ignored-plain")
         choice = json.loads(raw)["choices"][0]
         assert status == 200 and (choice["text"], choice["finish_reason"]) == ("", "length")
-        status, raw = post(url, stream_body(list(range(admissible)), 2), "fits")
-        assert status == 200 and len(events(raw)) == 3  # two tokens, then [DONE]
+        status, raw = post(url, stream_body(list(range(admissible)), 2, **USAGE), "fits")
+        assert status == 200 and json.loads(events(raw)[-2])["usage"]["completion_tokens"] == 2
         log = json.loads(get(f"{url}/servematrix/requests")[1])
         process.terminate()
         out = process.communicate(timeout=30)[0]
