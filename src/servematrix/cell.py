@@ -118,6 +118,8 @@ class _Interrupted(KeyboardInterrupt):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_stopped_by: list[str] = []
+"""The stop signal the running cell got, if any (see ``_run_deployed``)."""
 
 
 def _on_stop_signal(signum: int, frame: Any) -> None:
@@ -125,7 +127,8 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
     the terminal and from Snakemake) are ignored, so that they cannot cut its clean-up short."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    raise _Interrupted(f"signal {signal.Signals(signum).name}")
+    _stopped_by.append(f"signal {signal.Signals(signum).name}")
+    raise _Interrupted(_stopped_by[-1])
 
 
 def _run_deployed(cell: Cell) -> BackendRun:
@@ -137,6 +140,7 @@ def _run_deployed(cell: Cell) -> BackendRun:
     from servematrix.deploy.supervise import DeployError
     from servematrix.engine.hardware import DEFAULT_GPU
 
+    _stopped_by.clear()
     previous = {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS}
     try:
         plan = recipes.plan(cell)
@@ -178,6 +182,12 @@ def _run_deployed(cell: Cell) -> BackendRun:
                 keep = True
             finally:
                 lease.release(keep)
+    except DeployError:
+        # Interrupted, the run's end (Snakemake's onerror) may stop the deployment while the
+        # cell still winds down: the watcher's report of that is not the cell's failure.
+        if _stopped_by:
+            raise _Interrupted(_stopped_by[0]) from None
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
