@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from servematrix import replay
 from servematrix.config import Cell
 from servematrix.engine.admission import (
     NO_TOKEN_ERROR,
@@ -56,7 +57,12 @@ from servematrix.engine.admission import (
     kv_capacity_message,
 )
 from servematrix.engine.instance import DecodeRun, EngineInstance, StepResult
-from servematrix.engine.kvcache import BlockPool, KvMemoryPlan, kv_bytes_per_token_per_gpu
+from servematrix.engine.kvcache import (
+    BLOCK_SIZE_TOKENS,
+    BlockPool,
+    KvMemoryPlan,
+    kv_bytes_per_token_per_gpu,
+)
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import (
     DEFAULT_GPU,
@@ -74,9 +80,8 @@ from servematrix.engine.transfer import (
     TransferLink,
     kv_link,
 )
-from servematrix.schedule import arrival_times
 from servematrix.trace import RequestRecord
-from servematrix.workload import RequestLengths, TokenCounter, request_lengths
+from servematrix.workload import RequestLengths, TokenCounter, measured_sends, request_lengths
 
 
 @dataclass
@@ -127,7 +132,7 @@ def _cyclic_gc_paused() -> Iterator[None]:
 def _simulate(cell: Cell, step_time: StepTimeModel | None) -> SimulationResult:
     setup = engine_setup(cell, step_time)
     workload = cell.workload
-    sends = arrival_times(workload.num_prompts, workload.qps, workload.burstiness, workload.seed)
+    sends = measured_sends(workload)
     counter = None if workload.dataset == "random" else TokenCounter.for_model(cell.model.hf_id)
     lengths = request_lengths(workload, counter)
     instances = [setup.instance(workload.seed, index) for index in range(cell.mode.instances)]
@@ -158,6 +163,14 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None) -> SimulationResult:
         parameters["token_counter"] = counter.description
     if lengths.shared_prefix_tokens:
         parameters["shared_prefix_tokens"] = lengths.shared_prefix_tokens
+    if cell.serving.prefix_caching:  # the instances that compute prompts (not a decode one)
+        computing = instances[:1] if cell.mode.disaggregated else instances
+        parameters["prefix_cache_queries_tokens"] = sum(
+            i.scheduler.prefix_queries_tokens for i in computing
+        )
+        parameters["prefix_cache_hits_tokens"] = sum(
+            i.scheduler.prefix_hits_tokens for i in computing
+        )
     return SimulationResult(
         records=records,
         engine_parameters=parameters,
@@ -261,7 +274,8 @@ class _Requests:
         self.max_tokens = served.max_tokens
         self.refused = served.errors
         self.prefix_tokens = lengths.shared_prefix_tokens
-        self.group = 0 if self.prefix_tokens else None
+        self.group = (0,) if self.prefix_tokens else ()
+        self.chains = lengths.prefix_chains
         self.made: list[Request] = []
 
     def new(self, k: int, max_tokens: int | None = None) -> Request:
@@ -270,8 +284,7 @@ class _Requests:
             k,
             self.input_lens[k],
             self.max_tokens[k] if max_tokens is None else max_tokens,
-            prefix_group=self.group,
-            prefix_tokens=self.prefix_tokens,
+            **self.prefix(k),
         )
         self.made.append(request)
         return request
@@ -281,18 +294,25 @@ class _Requests:
         refused ones; one comprehension, as a 100,000-request cell makes them all at once."""
         inputs, refused = self.input_lens, self.refused
         max_tokens = self.max_tokens if limit is None else [limit] * len(inputs)
-        if self.group is None:  # no prefix to share: the defaults, and no keyword arguments
+        if not self.group and not self.chains:  # nothing to share: no keyword arguments
             made = [Request(k, inputs[k], max_tokens[k]) for k in ids]
         else:
-            group, tokens = self.group, self.prefix_tokens
-            made = [
-                Request(k, inputs[k], max_tokens[k], prefix_group=group, prefix_tokens=tokens)
-                for k in ids
-            ]
+            made = [Request(k, inputs[k], max_tokens[k], **self.prefix(k)) for k in ids]
         if refused:
             made = [None if request.request_id in refused else request for request in made]
         self.made.extend(request for request in made if request is not None)
         return made
+
+    def prefix(self, k: int) -> dict[str, Any]:
+        """Request ``k``'s prefix-cache chain: a trace's 512-token blocks, or the one shared
+        prefix of every prompt (`replay.engine_chains`, `RequestLengths`)."""
+        if self.chains:
+            return {
+                "prefix_chain": self.chains[k],
+                "prefix_tokens": self.input_lens[k],
+                "prefix_segment_blocks": replay.BLOCK_TOKENS // BLOCK_SIZE_TOKENS,
+            }
+        return {"prefix_chain": self.group, "prefix_tokens": self.prefix_tokens}
 
     def keep(self, request: Request) -> Request:
         self.made.append(request)
