@@ -103,6 +103,7 @@ def test_summary_columns_and_types(tmp_path: Path) -> None:
         *workload,
         *memory,
         *preemption,
+        *aggregate.PREFIX_COLUMNS,
         "trace",
     ]
     assert df.schema["preemptions_total"] == pl.Int64

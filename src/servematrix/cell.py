@@ -22,7 +22,7 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from servematrix import __version__, trace
+from servematrix import __version__, prefixstats, trace
 from servematrix.config import Cell, ConfigError
 from servematrix.trace import CellIdentity, RequestRecord
 
@@ -63,7 +63,15 @@ def _run_simulator(cell: Cell) -> BackendRun:
     gpu = str(cell.engine.get("gpu", "A100-SXM4-80GB"))
     util = cell.serving.gpu_memory_utilization
     memory_use = simulated(gpu, util, result.kv, result.peak_kv_blocks)
-    return BackendRun(result.records, {"engine": result.engine_parameters, "memory": memory_use})
+    engine = result.engine_parameters
+    reuse = {}
+    if cell.serving.prefix_caching:
+        reuse = {
+            "queries_tokens": engine["prefix_cache_queries_tokens"],
+            "hits_tokens": engine["prefix_cache_hits_tokens"],
+        }
+    deployment = {"engine": engine, "memory": memory_use, "prefix_cache": reuse}
+    return BackendRun(result.records, deployment)
 
 
 def _modelled_layout(cell: Cell) -> dict[str, Any]:
@@ -168,11 +176,17 @@ def _run_deployed(cell: Cell) -> BackendRun:
                 gpu = str(cell.engine.get("gpu", "A100-SXM4-80GB"))
                 util = cell.serving.gpu_memory_utilization
                 layout = _modelled_layout(cell) if cell.backend == "emulator" else None
+                computing = [b for n, b in memory.instances(plan).items() if n != "decode"]
+                caching = cell.serving.prefix_caching
+                before = prefixstats.scrape(computing) if caching else None
                 with (
                     lease.watched(),
                     memory.sampled(plan, cell.backend, gpu, util, layout) as memory_use,
                 ):
                     records, client = _measure(cell, lease.base_url)
+                reuse = prefixstats.served(
+                    before, prefixstats.scrape(computing) if caching else None
+                )
                 problem = lease.problem()
                 if problem is not None:
                     raise DeployError(problem)
@@ -194,6 +208,7 @@ def _run_deployed(cell: Cell) -> BackendRun:
         "processes": [p.to_dict() for p in resolved.processes],
         "files": dict(resolved.files),
         "memory": memory_use,
+        "prefix_cache": reuse,
         **client,
     }
     return BackendRun(records, deployment)
@@ -245,11 +260,19 @@ def _version(package: str) -> str | None:
         return None
 
 
+_TOP_LEVEL = ("clock", "memory", "prefix_cache")
+"""Deployment keys the metadata keeps at its top level (``prefix_cache``: `prefixstats`)."""
+
+
 def run_metadata(cell: Cell, started: datetime, run: BackendRun) -> dict[str, Any]:
     return {
         "cell": cell.to_dict(),
-        "deployment": {k: v for k, v in run.deployment.items() if k not in ("clock", "memory")},
+        "deployment": {k: v for k, v in run.deployment.items() if k not in _TOP_LEVEL},
         **{k: run.deployment[k] for k in ("clock", "memory") if k in run.deployment},
+        "prefix_cache": {
+            **run.deployment.get("prefix_cache", {}),
+            **prefixstats.best(cell.workload),
+        },
         "versions": {
             "servematrix": __version__,
             "python": sys.version.split()[0],

@@ -430,6 +430,39 @@ def preemption_section(summary: pl.DataFrame, x: str, series: list[str]) -> Sect
     return Section("Preemption", sentences)
 
 
+def reuse_section(summary: pl.DataFrame, x: str, series: list[str]) -> Section | None:
+    """How much of the prefix reuse a trace allows each cell's prefix caches got (the servers'
+    hit rate against `replay.reuse_bound`); none when no cell knows either."""
+    if "prefix_best_hit_rate" not in summary.columns:
+        return None
+    known = summary.filter(
+        pl.col("prefix_best_hit_rate").is_not_null() | pl.col("prefix_hit_rate").is_not_null()
+    )
+    sentences = []
+    for row in known.iter_rows(named=True):
+        got, best = row["prefix_hit_rate"], row["prefix_best_hit_rate"]
+        where = f"{_label(row, series)} at {fmt_x(x, row[x])}"
+        if got is None:
+            sentences.append(f"{where}: no prefix caching; the trace allows {best:.1%}.")
+        elif best is None:
+            sentences.append(f"{where}: the prefix caches hit {got:.1%} of prompt tokens.")
+        else:
+            sentences.append(
+                f"{where}: the prefix caches hit {got:.1%} of prompt tokens, of the {best:.1%} "
+                f"the trace allows ({got / best:.0%} of the possible reuse)."
+                if best
+                else f"{where}: the trace shares no prefix; the caches hit {got:.1%}."
+            )
+    dropped = known.filter(pl.col("trace_dropped_requests") > 0)
+    if not dropped.is_empty():
+        counts = sorted(set(dropped["trace_dropped_requests"].to_list()))
+        sentences.append(
+            f"The input cap dropped {', '.join(map(str, counts))} trace request(s) from the "
+            "window (the next ones were replayed instead)."
+        )
+    return Section("Prefix reuse", sentences)
+
+
 def fmt_mib(value: float) -> str:
     return f"{value:,.0f} MiB"
 
@@ -645,6 +678,7 @@ def study_findings(summary: pl.DataFrame, title: str, x: str) -> Findings:
         memory_section(gs),
         saturation_section(summary, x, series),
         preemption_section(summary, x, series),
+        reuse_section(summary, x, series),
         health_section(summary, x, series),
     ]
     return Findings(title, x, [s for s in sections if s and s.sentences])
