@@ -229,3 +229,31 @@ def test_the_emulator_reports_the_same_prefix_hits_as_the_simulator(small_config
     print(f"emulator {hits:.0f}/{queries:.0f}, simulator {simulated}, bound {bound}")
     assert (queries, hits) == (bound.query_tokens, bound.hit_tokens)
     assert simulated["prefix_cache_hits_tokens"] == hits
+
+
+def test_the_findings_say_how_much_of_the_possible_reuse_each_mode_got():
+    import polars as pl
+
+    from servematrix.findings import reuse_section
+
+    summary = pl.DataFrame(
+        {
+            "mode": ["nondisagg", "nondisagg", "mooncake-tcp", "single"],
+            "qps": [1.0, 2.0, 1.0, 1.0],
+            "prefix_hit_rate": [0.126, 0.116, 0.107, None],
+            "prefix_best_hit_rate": [0.231, 0.231, 0.231, 0.231],
+            "trace_dropped_requests": [96, 96, 96, 96],
+        }
+    )
+    section = reuse_section(summary, "qps", ["mode"])
+    assert section.sentences == [
+        "nondisagg: the prefix caches hit 11.6-12.6% of prompt tokens, of the 23.1% the trace "
+        "allows (50-55% of the possible reuse).",
+        "mooncake-tcp: the prefix caches hit 10.7% of prompt tokens, of the 23.1% the trace "
+        "allows (46% of the possible reuse).",
+        "single: no prefix caching; the trace allows 23.1%.",
+        "The input cap dropped 96 trace requests from the window (the next ones were replayed "
+        "instead).",
+    ]
+    random_cells = summary.with_columns(pl.lit(None, pl.Float64).alias("prefix_best_hit_rate"))
+    assert reuse_section(random_cells.filter(pl.col("mode") == "single"), "qps", ["mode"]) is None

@@ -431,36 +431,45 @@ def preemption_section(summary: pl.DataFrame, x: str, series: list[str]) -> Sect
 
 
 def reuse_section(summary: pl.DataFrame, x: str, series: list[str]) -> Section | None:
-    """How much of the prefix reuse a trace allows each cell's prefix caches got (the servers'
-    hit rate against `replay.reuse_bound`); none when no cell knows either."""
+    """How much of the prefix reuse a trace allows each configuration's prefix caches got (the
+    servers' hit rate against `replay.reuse_bound`), over the study's points; none when no
+    cell knows either."""
     if "prefix_best_hit_rate" not in summary.columns:
         return None
     known = summary.filter(
         pl.col("prefix_best_hit_rate").is_not_null() | pl.col("prefix_hit_rate").is_not_null()
     )
+    if known.is_empty():
+        return None
     sentences = []
-    for row in known.iter_rows(named=True):
-        got, best = row["prefix_hit_rate"], row["prefix_best_hit_rate"]
-        where = f"{_label(row, series)} at {fmt_x(x, row[x])}"
-        if got is None:
-            sentences.append(f"{where}: no prefix caching; the trace allows {best:.1%}.")
-        elif best is None:
-            sentences.append(f"{where}: the prefix caches hit {got:.1%} of prompt tokens.")
-        else:
-            sentences.append(
-                f"{where}: the prefix caches hit {got:.1%} of prompt tokens, of the {best:.1%} "
-                f"the trace allows ({got / best:.0%} of the possible reuse)."
-                if best
-                else f"{where}: the trace shares no prefix; the caches hit {got:.1%}."
-            )
+    for key, part in known.group_by(series, maintain_order=True):
+        label = _label(dict(zip(series, key, strict=True)), series)
+        got = part["prefix_hit_rate"].drop_nulls()
+        best = part["prefix_best_hit_rate"].drop_nulls()
+        allows = f"the trace allows {_span(best)}" if len(best) else ""
+        if not len(got):
+            sentences.append(f"{label}: no prefix caching; {allows}.")
+            continue
+        share = ""
+        if len(best) and best.min() > 0:
+            share = f" ({_span(got / best, '.0%')} of the possible reuse)"
+        of = f", of the {_span(best)} the trace allows{share}" if allows else ""
+        sentences.append(f"{label}: the prefix caches hit {_span(got)} of prompt tokens{of}.")
     dropped = known.filter(pl.col("trace_dropped_requests") > 0)
     if not dropped.is_empty():
-        counts = sorted(set(dropped["trace_dropped_requests"].to_list()))
         sentences.append(
-            f"The input cap dropped {', '.join(map(str, counts))} trace request(s) from the "
-            "window (the next ones were replayed instead)."
+            f"The input cap dropped {_span(dropped['trace_dropped_requests'], ',')} trace "
+            "requests from the window (the next ones were replayed instead)."
         )
     return Section("Prefix reuse", sentences)
+
+
+def _span(values: pl.Series, spec: str = ".1%") -> str:
+    """``12.6%``, or ``11.6-12.6%`` across points (``spec``: the format of each value)."""
+    low, high = format(values.min(), spec), format(values.max(), spec)
+    if low == high:
+        return low
+    return f"{low.removesuffix('%')}-{high}" if spec.endswith("%") else f"{low}-{high}"
 
 
 def fmt_mib(value: float) -> str:
