@@ -244,6 +244,9 @@ def test_a_preempted_request_is_readmitted_past_the_cached_prefix_and_finishes()
         s.complete(step)
     victim = preempted[0]
     assert victim.num_preemptions >= 1 and victim.num_generated == victim.max_tokens
+    # As V1's exported counters: the victim's lookups after its preemption are not counted.
+    assert s.prefix_queries_tokens == 320 + 330 + 330
+    assert s.prefix_hits_tokens == 320 + 320  # a and b: the 20 cached blocks
     # Recomputed after preemption: prompt + generated tokens beyond the 20 cached blocks.
     assert readmitted_new and all(new < victim.prompt_tokens for new in readmitted_new)
     assert conserved(s)

@@ -312,10 +312,13 @@ class Scheduler:
     def _use_cached_prefix(self, request: Request) -> None:
         """At admission of a request with nothing computed: take the cached blocks of its prefix
         chain as computed (V1 recomputes at least the prompt's last token). Counts the lookup as
-        V1 does, every time a waiting request is looked up (again after a preemption)."""
+        V1's exported counters do: every lookup of a request never preempted (a preempted one's
+        are counted apart and not exported, as it would hit its own blocks again)."""
         pool = self.pool
         num_tokens = request.prompt_tokens + request.num_generated
-        self.prefix_queries_tokens += num_tokens
+        counted = not request.num_preemptions
+        if counted:
+            self.prefix_queries_tokens += num_tokens
         if not request.prefix_chain:
             return
         hit = min(
@@ -330,7 +333,8 @@ class Scheduler:
             pool.use_prefix(request.prefix_chain, request.segment_blocks, hit)
             request.num_computed = hit * pool.block_size
             request.num_blocks = request.shared_blocks = hit
-            self.prefix_hits_tokens += request.num_computed
+            if counted:
+                self.prefix_hits_tokens += request.num_computed
 
     def _cache_computed_prefix(self, request: Request) -> None:
         """Hand the request's newly computed full prefix blocks to the cache where they extend
