@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import urllib.request
 from pathlib import Path
@@ -226,7 +227,8 @@ def test_the_emulator_reports_the_same_prefix_hits_as_the_simulator(small_config
         prompts = [r.prompt for r in requests]
         asyncio.run(_send_in_turn(url, HF_MODEL, prompts, [r.output_len for r in requests]))
         queries, hits = prefix_counters(url)
-    print(f"emulator {hits:.0f}/{queries:.0f}, simulator {simulated}, bound {bound}")
+    counts = {k: v for k, v in simulated.items() if k.startswith("prefix_cache")}
+    print(f"emulator {hits:.0f}/{queries:.0f}, simulator {counts}, bound {bound}")
     assert (queries, hits) == (bound.query_tokens, bound.hit_tokens)
     assert simulated["prefix_cache_hits_tokens"] == hits
 
@@ -257,3 +259,36 @@ def test_the_findings_say_how_much_of_the_possible_reuse_each_mode_got():
     ]
     random_cells = summary.with_columns(pl.lit(None, pl.Float64).alias("prefix_best_hit_rate"))
     assert reuse_section(random_cells.filter(pl.col("mode") == "single"), "qps", ["mode"]) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["nondisagg", "mooncake-tcp"])
+def test_an_emulator_cell_records_its_servers_hits_beside_the_best_possible(tmp_path, mode):
+    """A real emulator cell (proxy and two instances): the hits of every instance that computes
+    prompts (both round-robin ones; the prefill one of a disaggregated pair), summed, as the
+    simulator counts them for the same cell; the window's bound beside them."""
+    from dataclasses import replace
+
+    from servematrix import trace
+    from servematrix.cell import run_cell
+    from servematrix.config import Serving
+    from tests.test_emulator_cell import _cell
+
+    # One request at a time (max_concurrency 1), so both backends route them in the same order.
+    workload = replace(
+        trace_workload(str(TRACE), 8, cap=8000), qps=math.inf, output_len=2, max_concurrency=1
+    )
+    cell = _cell(
+        workload, tmp_path / "state", mode=mode, serving=Serving(8192, 0.9, None, False, True)
+    )
+    run_cell(cell, tmp_path / "cell.parquet")
+    reuse = trace.read_metadata(tmp_path / "cell.parquet")["prefix_cache"]
+    simulated = simulate(replace(cell, backend="simulator", deploy={})).engine_parameters
+    bound = replay.reuse_bound(request_lengths(workload).trace.requests)
+    print(mode, reuse, bound)
+    assert reuse["queries_tokens"] == bound.query_tokens == simulated["prefix_cache_queries_tokens"]
+    assert reuse["hits_tokens"] == simulated["prefix_cache_hits_tokens"] > 0
+    assert (reuse["best_hits_tokens"], reuse["best_queries_tokens"]) == (
+        bound.hit_tokens,
+        bound.query_tokens,
+    )

@@ -88,7 +88,9 @@ def _requests(cell: Cell) -> list:
     from servematrix.workload import TokenCounter, build_requests
 
     w = cell.workload
-    counter = None if w.dataset == "random" else TokenCounter.for_model(cell.model.hf_id)
+    counter = (
+        None if w.dataset in ("random", "mooncake") else TokenCounter.for_model(cell.model.hf_id)
+    )
     vocab_size = load_architecture(cell.model.architecture).vocab_size
     return build_requests(w, vocab_size, counter)
 
@@ -176,7 +178,7 @@ def _run_deployed(cell: Cell) -> BackendRun:
                 gpu = str(cell.engine.get("gpu", "A100-SXM4-80GB"))
                 util = cell.serving.gpu_memory_utilization
                 layout = _modelled_layout(cell) if cell.backend == "emulator" else None
-                computing = [b for n, b in memory.instances(plan).items() if n != "decode"]
+                computing = prefixstats.computing_instances(cell, memory.instances(plan))
                 caching = cell.serving.prefix_caching
                 before = prefixstats.scrape(computing) if caching else None
                 with (

@@ -14,7 +14,7 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from servematrix.config import Workload
+from servematrix.config import Cell, Workload
 
 QUERIES_METRIC = "vllm:prefix_cache_queries_total"
 HITS_METRIC = "vllm:prefix_cache_hits_total"
@@ -32,6 +32,13 @@ def parse_counters(text: str) -> tuple[float, float] | None:
     if len(seen) < 2:
         return None
     return totals[QUERIES_METRIC], totals[HITS_METRIC]
+
+
+def computing_instances(cell: Cell, instances: Mapping[str, str]) -> list[str]:
+    """The base URLs of the instances that compute prompts: all of an aggregated deployment's
+    (two round-robin instances are named prefill and decode too), a disaggregated one's
+    prefill instance (its decode instance receives the prompts' KV)."""
+    return [b for n, b in instances.items() if not (cell.mode.disaggregated and n == "decode")]
 
 
 def scrape(bases: Iterable[str]) -> tuple[float, float] | None:

@@ -133,7 +133,11 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None) -> SimulationResult:
     setup = engine_setup(cell, step_time)
     workload = cell.workload
     sends = measured_sends(workload)
-    counter = None if workload.dataset == "random" else TokenCounter.for_model(cell.model.hf_id)
+    counter = (
+        None
+        if workload.dataset in ("random", "mooncake")
+        else TokenCounter.for_model(cell.model.hf_id)
+    )
     lengths = request_lengths(workload, counter)
     instances = [setup.instance(workload.seed, index) for index in range(cell.mode.instances)]
     served = serve_or_refuse(
