@@ -20,12 +20,13 @@ input cap are dropped (the next ones are taken, and the drops counted) or trunca
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from servematrix.files import json_object
 
 BLOCK_TOKENS = 512
 """Tokens per hash id in the Mooncake traces."""
@@ -85,12 +86,7 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
 
 
 def _parse_line(where: str, line: str) -> TraceRequest:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise TraceError(f"{where}: not valid JSON ({error.msg})") from error
-    if not isinstance(row, dict):
-        raise TraceError(f"{where}: expected an object, got {type(row).__name__}")
+    row = json_object(where, line, TraceError)
     fields = ("timestamp", "input_length", "output_length", "hash_ids")
     missing = [key for key in fields if key not in row]
     if missing:

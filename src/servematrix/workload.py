@@ -56,6 +56,7 @@ import numpy as np
 
 from servematrix import replay
 from servematrix.config import Workload
+from servematrix.files import json_object
 from servematrix.schedule import arrival_times
 
 SONNET_BASE_PROMPT = "Pick as many lines as you can from these poem lines:\n"
@@ -463,12 +464,7 @@ def _jsonl_row(
 ) -> tuple[str | None, int, int]:
     """(prompt or None, input_len (0 for a prompt: counted later), output_len) of one line."""
     where = f"dataset file {path} line {number}"
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise WorkloadError(f"{where}: not valid JSON ({error.msg})") from error
-    if not isinstance(row, dict):
-        raise WorkloadError(f"{where}: expected an object, got {type(row).__name__}")
+    row = json_object(where, line, WorkloadError)
     unknown = sorted(set(row) - {"prompt", "input_len", "output_len"})
     if unknown:
         raise WorkloadError(
