@@ -292,3 +292,20 @@ def test_an_emulator_cell_records_its_servers_hits_beside_the_best_possible(tmp_
         bound.hit_tokens,
         bound.query_tokens,
     )
+
+
+@pytest.mark.slow
+def test_an_external_cell_records_the_servers_hits(small_config, tmp_path):
+    from servematrix import trace
+    from servematrix.cell import run_cell
+    from tests.test_emulator_e2e import emulator
+
+    flags = ("--max-model-len", "8192", "--recipe", "v1", "--enable-prefix-caching")
+    with emulator(*flags) as (url, _):
+        cfg = trace_config(small_config, str(TRACE), num_prompts=SHORT_WINDOW, max_concurrency=1)
+        cfg.update(backend="external", base_url=f"{url}/v1")
+        cell = config.load(cfg).all_cells()[0]
+        run_cell(cell, tmp_path / "cell.parquet")
+    reuse = trace.read_metadata(tmp_path / "cell.parquet")["prefix_cache"]
+    assert (reuse["hits_tokens"], reuse["queries_tokens"]) == (5632, 63788)  # as the bound
+    assert (reuse["best_hits_tokens"], reuse["best_queries_tokens"]) == (5632, 63788)

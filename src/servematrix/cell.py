@@ -114,8 +114,13 @@ def _measure(cell: Cell, base_url: str) -> tuple[list[RequestRecord], dict[str, 
 
 def _run_external(cell: Cell) -> BackendRun:
     base_url = cell.deploy["base_url"]
+    server = [base_url.rstrip("/").removesuffix("/v1")]  # its /metrics, if it is vLLM's
+    before = prefixstats.scrape(server) if cell.serving.prefix_caching else None
     records, client = _measure(cell, base_url)
-    return BackendRun(records, {"base_url": base_url, "started": "external", **client})
+    after = prefixstats.scrape(server) if before is not None else None
+    reuse = prefixstats.served(before, after)
+    deployment = {"base_url": base_url, "started": "external", "prefix_cache": reuse, **client}
+    return BackendRun(records, deployment)
 
 
 def _emulator_preemptions(plan: Plan, prefix: str) -> dict[int, int]:
