@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     simulate(replace(warm, workload=replace(warm.workload, num_prompts=min(200, count))))
     window = trace_window(cells[0].workload)
     bound = replay.reuse_bound(window.requests)
-    print(f"# {args.trace.name}: {count} requests ({window.dropped} dropped by the input cap), ")
+    print(f"# {args.trace.name}: {count} requests ({window.dropped} dropped by the input cap)")
     print(f"# QPS {args.qps:g} (native {replay.native_rate(window.requests):.2f}), {MODEL}, v1")
     print(f"# python {platform.python_version()} on {platform.node()}, {os.cpu_count()} CPUs")
     header = ("mode", "requests", "wall_s", "cpu_s", "sim_req/s", "hit_rate", "best_rate")
