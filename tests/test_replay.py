@@ -8,6 +8,7 @@ import json
 import math
 import re
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -267,7 +268,6 @@ def test_an_emulator_cell_records_its_servers_hits_beside_the_best_possible(tmp_
     """A real emulator cell (proxy and two instances): the hits of every instance that computes
     prompts (both round-robin ones; the prefill one of a disaggregated pair), summed, as the
     simulator counts them for the same cell; the window's bound beside them."""
-    from dataclasses import replace
 
     from servematrix import trace
     from servematrix.cell import run_cell
@@ -309,3 +309,8 @@ def test_an_external_cell_records_the_servers_hits(small_config, tmp_path):
     reuse = trace.read_metadata(tmp_path / "cell.parquet")["prefix_cache"]
     assert (reuse["hits_tokens"], reuse["queries_tokens"]) == (5632, 63788)  # as the bound
     assert (reuse["best_hits_tokens"], reuse["best_queries_tokens"]) == (5632, 63788)
+
+
+def test_a_trace_workload_with_warmups_is_refused():
+    with pytest.raises(WorkloadError, match="replays no warm-up requests"):
+        request_lengths(replace(trace_workload(str(TRACE), 4), warmup_requests=1))

@@ -272,13 +272,16 @@ def measured_sends(workload: Workload) -> np.ndarray:
 
 
 def trace_window(workload: Workload) -> replay.TraceWindow:
-    """The mooncake dataset's window of its trace file (errors as `WorkloadError`)."""
+    """The mooncake dataset's window of its trace file (errors as `WorkloadError`); it has no
+    warm-ups, which would change the window's cache state (the config refuses them too)."""
     w = workload
+    if w.warmup_requests:
+        raise WorkloadError("the mooncake dataset replays no warm-up requests (set them to 0)")
     try:
         return replay.window(
             _read_trace(_file_key(_dataset_file(w))),
             w.trace_start_s,
-            w.num_prompts + w.warmup_requests,
+            w.num_prompts,
             w.input_len,
             w.input_overflow,
             where=f"trace file {w.dataset_path}",
