@@ -314,3 +314,23 @@ def test_an_external_cell_records_the_servers_hits(small_config, tmp_path):
 def test_a_trace_workload_with_warmups_is_refused():
     with pytest.raises(WorkloadError, match="replays no warm-up requests"):
         request_lengths(replace(trace_workload(str(TRACE), 4), warmup_requests=1))
+
+
+def test_the_emulator_exports_v1s_prefix_cache_counters_and_v0_has_none():
+    from servematrix import prefixstats
+    from servematrix.emulator import wire
+
+    common = dict(running=0, waiting=0, kv_usage=0.0, prompt_tokens=9, generation_tokens=3)
+    v1 = wire.metrics_text("v1", "m", preemptions=0, prefix_cache=(1000, 256), **common)
+    assert 'vllm:prefix_cache_queries_total{model_name="m",engine="0"} 1000.0' in v1
+    assert 'vllm:prefix_cache_hits_total{model_name="m",engine="0"} 256.0' in v1
+    assert "# TYPE vllm:prefix_cache_hits_total counter" in v1
+    assert prefixstats.parse_counters(v1) == (1000.0, 256.0)
+    assert prefixstats.parse_counters(v1 + v1.replace('engine="0"', 'engine="1"')) == (2000, 512)
+    v0 = wire.metrics_text("v0", "m", preemptions=0, **common)
+    assert "prefix_cache" not in v0 and prefixstats.parse_counters(v0) is None
+    assert prefixstats.served((10.0, 2.0), (110.0, 52.0)) == {
+        "queries_tokens": 100,
+        "hits_tokens": 50,
+    }
+    assert prefixstats.served(None, (110.0, 52.0)) == {}
