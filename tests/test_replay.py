@@ -334,3 +334,16 @@ def test_the_emulator_exports_v1s_prefix_cache_counters_and_v0_has_none():
         "hits_tokens": 50,
     }
     assert prefixstats.served(None, (110.0, 52.0)) == {}
+
+
+def test_the_summary_page_shows_the_hit_rates_only_where_a_cell_has_them():
+    import polars as pl
+
+    from servematrix.aggregate import render_html
+
+    rates = {"prefix_hit_rate": [0.126, None], "prefix_best_hit_rate": [0.231, 0.231]}
+    page = render_html(pl.DataFrame({"mode": ["nondisagg", "chunked"], **rates}), "t")
+    assert "<th>prefix-cache hit rate</th>" in page and "<th>best possible hit rate</th>" in page
+    none = {name: pl.Series([None, None], dtype=pl.Float64) for name in rates}
+    page = render_html(pl.DataFrame({"mode": ["nondisagg", "chunked"], **none}), "t")
+    assert "hit rate" not in page

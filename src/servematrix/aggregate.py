@@ -211,8 +211,14 @@ def write_summary(
 
 
 def render_html(df: pl.DataFrame, title: str) -> str:
-    """A self-contained page (no external CSS or JS) with the key columns of the summary."""
-    columns = [(name, header) for name, header in HTML_COLUMNS if name in df.columns]
+    """A self-contained page (no external CSS or JS) with the key columns of the summary (the
+    prefix-reuse ones only where some cell has them)."""
+    columns = [
+        (name, header)
+        for name, header in HTML_COLUMNS
+        if name in df.columns
+        and not (name in PREFIX_COLUMNS and df[name].null_count() == df.height)
+    ]
     head = "".join(f"<th>{html.escape(header)}</th>" for _, header in columns)
     body = "\n".join(
         "<tr>" + "".join(_html_cell(row[name]) for name, _ in columns) + "</tr>"
