@@ -1,7 +1,7 @@
 # Snakemake adapter: turn a study's summary and capacity table into findings (Markdown, HTML).
 import polars as pl
 
-from servematrix import compare, trace
+from servematrix import steptimes, trace
 from servematrix.files import write_text
 from servematrix.findings import Context, study_findings, to_html, to_markdown
 from servematrix.findings.recommend import caveat
@@ -14,8 +14,8 @@ capacity = pl.read_parquet(snakemake.input.capacity[0]) if snakemake.input.capac
 step_times = []
 if snakemake.params.backend == "simulator" and not summary.is_empty():
     try:
-        cells = [compare.cell_step_times(path) for path in summary["trace"]]
-        step_times = compare.step_time_sentences(compare.group_setups(cells))
+        cells = [steptimes.cell_step_times(path) for path in summary["trace"]]
+        step_times = steptimes.step_time_sentences(steptimes.group_setups(cells))
     except trace.TraceError:  # a trace from before step-time sources were recorded
         step_times = []
 context = Context(
