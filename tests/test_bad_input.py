@@ -58,9 +58,23 @@ def _dataset(name: str) -> Callable[[dict], None]:
 
 
 DATA = ROOT / "tests" / "data"
+BAD_TRACE = DATA / "bad-trace.jsonl"
+
+
+def _bad_trace(cfg: dict) -> None:
+    cfg["defaults"].update(
+        dataset="mooncake", dataset_path=str(BAD_TRACE), warmup_requests=0, num_prompts=1
+    )
+
 
 # (row of the table, change to the small config, the one line both check and workflow print)
 ROWS: list[tuple[str, Callable[[dict], None], str]] = [
+    (
+        "trace-negative-length",
+        _bad_trace,
+        f"config error at defaults.dataset_path: trace file {BAD_TRACE} line 2: input_length "
+        "must be an integer >= 1, got -5",
+    ),
     (
         "num_prompts-ceiling",
         _set(("defaults", "num_prompts"), 1_000_000_000),

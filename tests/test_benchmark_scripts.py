@@ -67,3 +67,22 @@ def test_emulator_vs_simulator_modes_runs_a_round_robin_and_a_disaggregated_cell
         failed = rows[2].split(" | ")[4]
         assert failed == "0", rows[2]
     assert "engine-side (first instance reads the request" in result.stdout
+
+
+def test_trace_replay_prints_its_table_on_a_window() -> None:
+    script = ROOT / "benchmarks" / "trace_replay.py"
+    trace = ROOT / "config" / "examples" / "data" / "mooncake-conversation-1000.jsonl"
+    result = _run(script, "--trace", str(trace), "--count", "50", "--modes", "chunked")
+    assert result.returncode == 0, result.stderr
+    assert any(line.split()[:2] == ["chunked", "50"] for line in result.stdout.splitlines())
+
+
+def _run(script: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )

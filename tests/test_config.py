@@ -160,7 +160,8 @@ WORKLOAD_ERRORS = [
     ),
     (
         {"defaults.dataset": "sharegpt"},
-        "config error at defaults.dataset: 'sharegpt' is not one of ['random', 'sonnet', 'jsonl']",
+        "config error at defaults.dataset: 'sharegpt' is not one of "
+        "['random', 'sonnet', 'jsonl', 'mooncake']",
     ),
     (
         {"studies.sizes.workload": {"dataset": "sonnet"}},

@@ -360,7 +360,8 @@ def test_interrupted_in_the_middle_of_a_cell(tmp_path, how):
     assert run.returncode != 0
     assert not (workdir / cell).exists(), output[-3000:]
     if how in ("SIGTERM", "Ctrl-C", "SIGINT to Snakemake"):
-        assert re.search(r"interrupted \(signal SIG(TERM|INT)\); nothing was written", output), output[-4000:]
+        line = r"interrupted \(signal SIG(TERM|INT)\); nothing was written"
+        assert re.search(line, output), output[-4000:]
     if how == "decode crash":
         assert "decode exited with code -9 while serving" in output, output[-3000:]
     if how == "etcd death":

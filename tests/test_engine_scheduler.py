@@ -187,13 +187,13 @@ def test_v1_caches_prefixes_by_default_and_v0_does_not():
 
 def test_a_shared_prefix_hits_the_cache_and_random_prompts_do_not():
     s = cached()
-    first = Request(0, 400, 2, prefix_group=7, prefix_tokens=200)
+    first = Request(0, 400, 2, prefix_chain=(7,), prefix_tokens=200)
     s.add(first)
     assert s.schedule().new_tokens == [400]  # nothing cached yet: the whole prompt
     run_to_end(s)
     assert s.pool.cached_blocks == {7: 200 // 16} and conserved(s)
-    same = Request(1, 400, 2, prefix_group=7, prefix_tokens=200)
-    other = Request(2, 400, 2, prefix_group=8, prefix_tokens=200)
+    same = Request(1, 400, 2, prefix_chain=(7,), prefix_tokens=200)
+    other = Request(2, 400, 2, prefix_chain=(8,), prefix_tokens=200)
     random = Request(3, 400, 2)
     for request in (same, other, random):
         s.add(request)
@@ -208,28 +208,28 @@ def test_a_shared_prefix_hits_the_cache_and_random_prompts_do_not():
 
 def test_without_prefix_caching_a_shared_prefix_is_computed_again():
     s = cached(caching=False)
-    s.add(Request(0, 400, 2, prefix_group=7, prefix_tokens=200))
+    s.add(Request(0, 400, 2, prefix_chain=(7,), prefix_tokens=200))
     run_to_end(s)
-    s.add(Request(1, 400, 2, prefix_group=7, prefix_tokens=200))
+    s.add(Request(1, 400, 2, prefix_chain=(7,), prefix_tokens=200))
     assert s.schedule().new_tokens == [400] and not s.pool.cached_blocks
 
 
 def test_at_least_the_last_prompt_token_is_computed():
     s = cached()
-    s.add(Request(0, 64, 2, prefix_group=1, prefix_tokens=64))
+    s.add(Request(0, 64, 2, prefix_chain=(1,), prefix_tokens=64))
     run_to_end(s)
-    s.add(Request(1, 64, 2, prefix_group=1, prefix_tokens=64))
+    s.add(Request(1, 64, 2, prefix_chain=(1,), prefix_tokens=64))
     assert s.schedule().new_tokens == [16]  # 3 of the 4 blocks hit: vLLM recomputes the last
 
 
 def test_a_preempted_request_is_readmitted_past_the_cached_prefix_and_finishes():
     # 32 blocks: the cached prefix (20) leaves 12 for two requests growing to 7 own blocks each.
     s = cached(budget=4096, blocks=32)
-    s.add(Request(0, 320, 1, prefix_group=3, prefix_tokens=320))
+    s.add(Request(0, 320, 1, prefix_chain=(3,), prefix_tokens=320))
     run_to_end(s)
     assert s.pool.cached_blocks == {3: 20}
-    a = Request(1, 330, 100, prefix_group=3, prefix_tokens=320)
-    b = Request(2, 330, 100, prefix_group=3, prefix_tokens=320)
+    a = Request(1, 330, 100, prefix_chain=(3,), prefix_tokens=320)
+    b = Request(2, 330, 100, prefix_chain=(3,), prefix_tokens=320)
     s.add(a)
     s.add(b)
     preempted: list[Request] = []
@@ -244,6 +244,9 @@ def test_a_preempted_request_is_readmitted_past_the_cached_prefix_and_finishes()
         s.complete(step)
     victim = preempted[0]
     assert victim.num_preemptions >= 1 and victim.num_generated == victim.max_tokens
+    # As V1's exported counters: the victim's lookups after its preemption are not counted.
+    assert s.prefix_queries_tokens == 320 + 330 + 330
+    assert s.prefix_hits_tokens == 320 + 320  # a and b: the 20 cached blocks
     # Recomputed after preemption: prompt + generated tokens beyond the 20 cached blocks.
     assert readmitted_new and all(new < victim.prompt_tokens for new in readmitted_new)
     assert conserved(s)
@@ -251,10 +254,45 @@ def test_a_preempted_request_is_readmitted_past_the_cached_prefix_and_finishes()
 
 def test_an_unused_cached_prefix_is_evicted_when_blocks_run_out():
     s = cached(blocks=30)
-    s.add(Request(0, 320, 1, prefix_group=3, prefix_tokens=320))
+    s.add(Request(0, 320, 1, prefix_chain=(3,), prefix_tokens=320))
     run_to_end(s)
     assert s.pool.cached_blocks == {3: 20} and s.pool.free_blocks == 10
     big = Request(1, 400, 2)  # 25 blocks: only after evicting the unused prefix
     s.add(big)
     assert s.schedule().requests == [big]
     assert not s.pool.cached_blocks and conserved(s)
+
+
+def test_a_chain_hits_the_segments_an_earlier_request_computed_up_to_the_first_miss():
+    # Segments of 2 blocks (32 tokens): a conversation whose second turn extends the first.
+    s = cached()
+    first = Request(0, 96, 1, prefix_chain=(1, 2, 3), prefix_tokens=96, prefix_segment_blocks=2)
+    s.add(first)
+    run_to_end(s)
+    assert s.pool.cached_blocks == {1: 2, 2: 2, 3: 2} and conserved(s)
+    turn = Request(1, 160, 1, prefix_chain=(1, 2, 3, 4, 5), prefix_tokens=160)
+    turn.prefix_segment_blocks = 2
+    branch = Request(2, 96, 1, prefix_chain=(1, 6, 3), prefix_tokens=96, prefix_segment_blocks=2)
+    s.add(turn)
+    s.add(branch)
+    step = s.schedule()
+    assert step.new_tokens == [160 - 96, 96 - 32]  # all three segments; then the first only
+    assert s.prefix_queries_tokens == 96 + 160 + 96 and s.prefix_hits_tokens == 96 + 32
+    run_to_end(s)
+    # The turn's new segments and the branch's own one are cached too (the branch's key 3 is
+    # another chain's: it stays the branch's own copy).
+    assert s.pool.cached_blocks == {1: 2, 2: 2, 3: 2, 4: 2, 5: 2, 6: 2} and conserved(s)
+    assert not any(s.pool.prefix_users.values())
+
+
+def test_eviction_takes_the_least_recently_used_segment_first():
+    s = cached(blocks=20)  # 3 prefixes of 4 blocks cached, 8 free
+    for k, key in enumerate((1, 2, 3)):
+        s.add(Request(k, 64, 1, prefix_chain=(key,), prefix_tokens=64))
+        run_to_end(s)
+    s.add(Request(3, 64, 1, prefix_chain=(1,), prefix_tokens=64))  # 1 used again: newest
+    run_to_end(s)
+    assert list(s.pool.cached_blocks) == [2, 3, 1]
+    s.add(Request(4, 150, 1))  # 10 blocks: evicts key 2 only
+    s.schedule()
+    assert list(s.pool.cached_blocks) == [3, 1] and conserved(s)

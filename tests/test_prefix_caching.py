@@ -18,7 +18,7 @@ import pytest
 from servematrix import config
 from servematrix.config import Cell, Workload
 from servematrix.deploy.recipes import plan
-from servematrix.emulator.prefixes import PrefixIndex
+from servematrix.emulator.prefixes import request_fields
 from servematrix.simulate import engine_setup, simulate
 from servematrix.workload import TokenCounter, build_requests
 
@@ -137,17 +137,16 @@ def test_simulated_sonnet_cells_hit_the_cache_random_cells_do_not(small_config, 
         assert random_on.records == random_off.records
 
 
-def test_prefix_index_shares_full_blocks_only():
-    index = PrefixIndex(block_size=4)
-    first = index.request_fields(list(range(10)))  # 2 full blocks
-    assert first == {"prefix_group": 0, "prefix_tokens": 8}
-    assert index.request_fields(list(range(10))) == first  # the same prompt: every full block
-    assert index.request_fields([0, 1, 2, 3, 4, 5, 9, 9, 9]) == {
-        "prefix_group": 0,
-        "prefix_tokens": 4,
-    }
-    assert index.request_fields([9, *range(1, 10)]) == {"prefix_group": 1, "prefix_tokens": 8}
-    assert index.request_fields([0, 1, 2]) == {}  # shorter than a block
+def test_a_prompt_is_one_segment_per_full_block_keyed_by_its_chain():
+    first = request_fields(list(range(10)), block_size=4)  # 2 full blocks
+    assert first["prefix_tokens"] == 8 and first["prefix_segment_blocks"] == 1
+    assert request_fields(list(range(10)), block_size=4) == first  # the same prompt, same keys
+    diverging = request_fields([0, 1, 2, 3, 4, 5, 9, 9, 9], block_size=4)["prefix_chain"]
+    assert diverging[0] == first["prefix_chain"][0] and diverging[1] != first["prefix_chain"][1]
+    # The same tokens after a different first block are another prefix (vLLM chains hashes).
+    later = request_fields([9, 9, 9, 9, 4, 5, 6, 7], block_size=4)["prefix_chain"]
+    assert later[1] != first["prefix_chain"][1]
+    assert request_fields([0, 1, 2], block_size=4) == {}  # shorter than a block
 
 
 # The emulator as a real process (tests/test_emulator_e2e.py's helpers).

@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from servematrix import intervals, metrics, trace
+from servematrix import intervals, metrics, prefixstats, trace
 from servematrix.files import atomic_path
 
 SORT_KEYS = ("model", "mode", "input_len", "qps")
@@ -43,6 +43,8 @@ HTML_COLUMNS = (
     ("output_throughput", "output tokens/s"),
     ("request_goodput", "goodput (requests/s)"),
     ("preempted_requests", "preempted requests"),
+    ("prefix_hit_rate", "prefix-cache hit rate"),
+    ("prefix_best_hit_rate", "best possible hit rate"),
 )
 
 HTML_STYLE = (
@@ -84,6 +86,15 @@ that were and were not preempted (null when there are none)."""
 
 SLOWEST_FRACTION = 0.01
 
+PREFIX_COLUMNS = {
+    "prefix_hit_rate": pl.Float64(),
+    "prefix_best_hit_rate": pl.Float64(),
+    "trace_dropped_requests": pl.Int64(),
+}
+"""From the trace metadata's ``prefix_cache`` (servematrix.prefixstats): the share of prompt
+tokens the servers' prefix caches hit (null with caching off or where the server has no
+counters), the most a Mooncake trace allows, and the requests its input cap dropped."""
+
 
 def _summary_schema() -> dict[str, pl.DataType]:
     """Identity columns typed as in the trace, CellMetrics fields, then the trace path."""
@@ -96,6 +107,7 @@ def _summary_schema() -> dict[str, pl.DataType]:
         **WORKLOAD_COLUMNS,
         **MEMORY_COLUMNS,
         **PREEMPTION_COLUMNS,
+        **PREFIX_COLUMNS,
         **intervals.INTERVAL_COLUMNS,
         "repeats": pl.Int64(),
         "trace": pl.String(),
@@ -135,6 +147,7 @@ def summary_row(
         **{name: workload.get(name) for name in WORKLOAD_COLUMNS},
         **{name: memory_use.get(name) for name in MEMORY_COLUMNS},
         **preemption_summary(table),
+        **prefixstats.summary_columns(metadata.get("prefix_cache") or {}),
         **dict.fromkeys(intervals.INTERVAL_COLUMNS),
         **intervals.bootstrap_columns(metrics.latencies_of(_served(table))),
         "repeats": 1,
@@ -215,8 +228,14 @@ def write_summary(
 def render_html(
     df: pl.DataFrame, title: str, columns: Sequence[tuple[str, str]] = HTML_COLUMNS
 ) -> str:
-    """A self-contained page (no external CSS or JS) with the key columns of the summary."""
-    columns = [(name, header) for name, header in columns if name in df.columns]
+    """A self-contained page (no external CSS or JS) with the key columns of the summary (the
+    prefix-reuse ones only where some cell has them)."""
+    columns = [
+        (name, header)
+        for name, header in columns
+        if name in df.columns
+        and not (name in PREFIX_COLUMNS and df[name].null_count() == df.height)
+    ]
     head = "".join(f"<th>{html.escape(header)}</th>" for _, header in columns)
     body = "\n".join(
         "<tr>" + "".join(_html_cell(row[name]) for name, _ in columns) + "</tr>"

@@ -18,7 +18,7 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from servematrix import __version__, trace
+from servematrix import __version__, prefixstats, trace
 from servematrix.config import Cell, ConfigError
 from servematrix.trace import CellIdentity, RequestRecord
 
@@ -62,7 +62,15 @@ def _run_simulator(cell: Cell) -> BackendRun:
     gpu = str(cell.engine.get("gpu", DEFAULT_GPU))
     util = cell.serving.gpu_memory_utilization
     memory_use = simulated(gpu, util, result.kv, result.peak_kv_blocks)
-    return BackendRun(result.records, {"engine": result.engine_parameters, "memory": memory_use})
+    engine = result.engine_parameters
+    reuse = {}
+    if cell.serving.prefix_caching:
+        reuse = {
+            "queries_tokens": engine["prefix_cache_queries_tokens"],
+            "hits_tokens": engine["prefix_cache_hits_tokens"],
+        }
+    deployment = {"engine": engine, "memory": memory_use, "prefix_cache": reuse}
+    return BackendRun(result.records, deployment)
 
 
 def _modelled_layout(cell: Cell) -> dict[str, Any]:
@@ -79,7 +87,9 @@ def _requests(cell: Cell) -> list:
     from servematrix.workload import TokenCounter, build_requests
 
     w = cell.workload
-    counter = None if w.dataset == "random" else TokenCounter.for_model(cell.model.hf_id)
+    counter = (
+        None if w.dataset in ("random", "mooncake") else TokenCounter.for_model(cell.model.hf_id)
+    )
     vocab_size = load_architecture(cell.model.architecture).vocab_size
     return build_requests(w, vocab_size, counter)
 
@@ -109,8 +119,13 @@ def _measure(cell: Cell, base_url: str) -> tuple[list[RequestRecord], dict[str, 
 
 def _run_external(cell: Cell) -> BackendRun:
     base_url = cell.deploy["base_url"]
+    server = [base_url.rstrip("/").removesuffix("/v1")]  # its /metrics, if it is vLLM's
+    before = prefixstats.scrape(server) if cell.serving.prefix_caching else None
     records, client = _measure(cell, base_url)
-    return BackendRun(records, {"base_url": base_url, "started": "external", **client})
+    after = prefixstats.scrape(server) if before is not None else None
+    reuse = prefixstats.served(before, after)
+    deployment = {"base_url": base_url, "started": "external", "prefix_cache": reuse, **client}
+    return BackendRun(records, deployment)
 
 
 class _Interrupted(KeyboardInterrupt):
@@ -166,6 +181,9 @@ def _run_deployed(cell: Cell) -> BackendRun:
                 util = cell.serving.gpu_memory_utilization
                 layout = _modelled_layout(cell) if cell.backend == "emulator" else None
                 groups = memory.process_groups(warm.read_state(lease.run_dir))
+                computing = prefixstats.computing_instances(cell, memory.instances(plan))
+                caching = cell.serving.prefix_caching
+                before = prefixstats.scrape(computing) if caching else None
                 with (
                     lease.watched(),
                     memory.sampled(
@@ -173,6 +191,9 @@ def _run_deployed(cell: Cell) -> BackendRun:
                     ) as memory_use,
                 ):
                     records, client = _measure(cell, lease.base_url)
+                reuse = prefixstats.served(
+                    before, prefixstats.scrape(computing) if caching else None
+                )
                 problem = lease.problem()
                 if problem is not None:
                     raise DeployError(problem)
@@ -201,6 +222,7 @@ def _run_deployed(cell: Cell) -> BackendRun:
         "processes": [p.to_dict() for p in resolved.processes],
         "files": dict(resolved.files),
         "memory": memory_use,
+        "prefix_cache": reuse,
         **client,
     }
     return BackendRun(records, deployment)
@@ -252,11 +274,19 @@ def _version(package: str) -> str | None:
         return None
 
 
+_TOP_LEVEL = ("clock", "memory", "prefix_cache")
+"""Deployment keys the metadata keeps at its top level (``prefix_cache``: `prefixstats`)."""
+
+
 def run_metadata(cell: Cell, started: datetime, run: BackendRun) -> dict[str, Any]:
     return {
         "cell": cell.to_dict(),
-        "deployment": {k: v for k, v in run.deployment.items() if k not in ("clock", "memory")},
+        "deployment": {k: v for k, v in run.deployment.items() if k not in _TOP_LEVEL},
         **{k: run.deployment[k] for k in ("clock", "memory") if k in run.deployment},
+        "prefix_cache": {
+            **run.deployment.get("prefix_cache", {}),
+            **prefixstats.best(cell.workload),
+        },
         "versions": {
             "servematrix": __version__,
             "python": sys.version.split()[0],

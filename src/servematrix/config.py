@@ -79,6 +79,10 @@ class Workload:
     [len·(1−r), len·(1+r)]; ``dataset_path`` is the sonnet text or jsonl file; ``prefix_len``
     the sonnet prompts' shared prefix in tokens. ``ignore_eos`` False lets the server stop at
     EOS (the output length is then the model's, at most the dataset's).
+    The mooncake dataset (``servematrix.replay``) replays ``dataset_path`` from
+    ``trace_start_s``; ``trace_timing`` "timestamps" keeps its arrival pattern scaled to ``qps``,
+    "qps" re-times it as the other datasets; ``input_len`` caps its inputs and
+    ``input_overflow`` says whether longer requests are dropped or truncated.
     """
 
     qps: float
@@ -94,6 +98,9 @@ class Workload:
     dataset_path: str | None = None
     prefix_len: int = 0
     ignore_eos: bool = True
+    trace_start_s: float = 0.0
+    trace_timing: str = "timestamps"
+    input_overflow: str = "drop"
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,9 @@ class Cell:
             # Left out at its default: the setting's arrival changed no existing cell's
             # parameters (no rerun) nor its trace metadata.
             del data["serving"]["prefix_caching"]
+        for key, default in _TRACE_DEFAULTS.items():  # the same for the mooncake dataset's
+            if data["workload"][key] == default:
+                del data["workload"][key]
         return data
 
     @classmethod
@@ -219,9 +229,10 @@ def workload_token(w: Workload) -> str:
     The design's ``qps{qps}_in{input_len}_out{output_len}_n{num_prompts}_s{seed}``, then one
     suffix per setting that differs from its default, in this order, so that two different
     workloads never share a path while the default paths stay as they were:
-    ``_{dataset}-{file stem}`` (sonnet, jsonl), ``_p{prefix_len}``, ``_r{range_ratio}``,
-    ``_b{burstiness}``, ``_c{max_concurrency}``, ``_w{warmup_requests}`` (default 1) and
-    ``_eos`` (``ignore_eos`` off). ``qps: .inf`` is spelled ``qpsinf``.
+    ``_{dataset}-{file stem}`` (sonnet, jsonl, mooncake), ``_t{trace_start_s}``, ``_retimed``
+    (``trace_timing: qps``), ``_trunc`` (``input_overflow: truncate``), ``_p{prefix_len}``,
+    ``_r{range_ratio}``, ``_b{burstiness}``, ``_c{max_concurrency}``, ``_w{warmup_requests}``
+    (default 1) and ``_eos`` (``ignore_eos`` off). ``qps: .inf`` is spelled ``qpsinf``.
     """
     token = (
         f"qps{format_number(w.qps)}_in{w.input_len}_out{w.output_len}_n{w.num_prompts}_s{w.seed}"
@@ -229,6 +240,12 @@ def workload_token(w: Workload) -> str:
     if w.dataset != "random":
         stem = re.sub(r"[^A-Za-z0-9.-]+", "-", Path(w.dataset_path or "").stem) or "file"
         token += f"_{w.dataset}-{stem}"
+    if w.trace_start_s:
+        token += f"_t{format_number(w.trace_start_s)}"
+    if w.trace_timing != "timestamps":
+        token += "_retimed"
+    if w.input_overflow != "drop":
+        token += "_trunc"
     if w.prefix_len:
         token += f"_p{w.prefix_len}"
     if w.range_ratio:
@@ -383,6 +400,7 @@ def _study(
                         dataset_path=settings.get("dataset_path"),
                         prefix_len=settings["prefix_len"],
                         ignore_eos=bool(settings["ignore_eos"]),
+                        **_trace_settings(settings),
                     )
                     cells.append(
                         Cell(
@@ -437,6 +455,49 @@ def _check_workload_settings(
             raise ConfigError(where("range_ratio"), "applies to the random dataset only")
     if settings["prefix_len"] and dataset != "sonnet":
         raise ConfigError(where("prefix_len"), "applies to the sonnet dataset only")
+    trace_keys = [key for key in _TRACE_KEYS if key in settings]
+    if dataset != "mooncake" and trace_keys:
+        raise ConfigError(where(trace_keys[0]), "applies to the mooncake dataset only")
+    if dataset == "mooncake":
+        _check_trace(where, data, settings)
+
+
+_TRACE_DEFAULTS = {"trace_start_s": 0.0, "trace_timing": "timestamps", "input_overflow": "drop"}
+_TRACE_KEYS = tuple(_TRACE_DEFAULTS)
+
+
+def _trace_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The mooncake dataset's `Workload` fields that are set (the others keep their defaults)."""
+    fields = {key: settings[key] for key in _TRACE_KEYS if key in settings}
+    if "trace_start_s" in fields:
+        fields["trace_start_s"] = float(fields["trace_start_s"])
+    return fields
+
+
+def _check_trace(where: Any, data: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
+    """The trace file reads line by line and every cell's window (``num_prompts`` requests
+    within its ``input_len`` cap) is there; warm-ups are refused, as they would change the
+    window's cache state and are not part of the trace."""
+    from servematrix import replay  # here: only a trace study reads one
+
+    if settings["warmup_requests"]:
+        raise ConfigError(
+            where("warmup_requests"),
+            "must be 0 for the mooncake dataset (the trace is replayed as it is)",
+        )
+    try:
+        requests = replay.read_trace(settings["dataset_path"])
+        for input_len in data["input_len"]:
+            replay.window(
+                requests,
+                float(settings.get("trace_start_s", 0.0)),
+                settings["num_prompts"],
+                input_len,
+                settings.get("input_overflow", "drop"),
+                where=f"trace file {settings['dataset_path']}",
+            )
+    except replay.TraceError as error:
+        raise ConfigError(where("dataset_path"), str(error)) from error
 
 
 def _check_fits(base: str, settings: Mapping[str, Any], input_len: int) -> None:

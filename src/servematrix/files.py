@@ -1,12 +1,15 @@
-"""Atomic file writes: a result is either complete or absent, never half-written."""
+"""Atomic file writes (a result is either complete or absent, never half-written), and the one
+check every JSON-lines reader makes of a line."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -33,3 +36,14 @@ def _umask() -> int:
 def write_text(target: str | os.PathLike[str], text: str) -> None:
     with atomic_path(target) as tmp:
         tmp.write_text(text)
+
+
+def json_object(where: str, line: str, error: type[ValueError]) -> dict[str, Any]:
+    """One line of a JSON-lines file as an object; ``error`` names ``where`` otherwise."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as problem:
+        raise error(f"{where}: not valid JSON ({problem.msg})") from problem
+    if not isinstance(row, dict):
+        raise error(f"{where}: expected an object, got {type(row).__name__}")
+    return row

@@ -27,6 +27,13 @@ Datasets (reference/vllm-mooncake-spec.md §3.5):
   (``output_len`` optional, default the workload's) or ``{"input_len": N, "output_len": M}``
   (sent as N random token ids, as the random dataset). Blank lines are skipped; the file's
   requests are used in order and repeated from the top when the cell needs more.
+* ``mooncake``: a Mooncake trace (``servematrix.replay``): ``num_prompts`` requests from
+  ``trace_start_s``, each sent as token ids whose 512-token blocks are equal exactly where the
+  trace's hash ids are; ``input_len`` caps the input (longer requests dropped or truncated, as
+  ``input_overflow`` says) and ``output_len`` the output (``max_tokens`` is the trace's output
+  length, at most ``output_len``). They are sent at the trace's timestamps scaled so the window's
+  mean rate is the cell's ``qps`` (``trace_timing: timestamps``) or at the seeded schedule of the
+  other datasets (``trace_timing: qps``).
 
 Every draw is seeded by the workload's seed, and the measured requests come first in each
 stream, so they do not change with ``warmup_requests``.
@@ -34,6 +41,7 @@ stream, so they do not change with ``warmup_requests``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -46,7 +54,9 @@ from typing import Any
 
 import numpy as np
 
+from servematrix import replay
 from servematrix.config import Workload
+from servematrix.files import json_object
 from servematrix.schedule import arrival_times
 
 SONNET_BASE_PROMPT = "Pick as many lines as you can from these poem lines:\n"
@@ -85,12 +95,16 @@ class RequestLengths:
 
     ``text_prompt`` tells which prompts are text, not token ids (empty: none are);
     ``shared_prefix_tokens`` is how many tokens every prompt starts with in common (the sonnet
-    dataset's chat-template head, base prompt and prefix lines; 0: none, as random ids)."""
+    dataset's chat-template head, base prompt and prefix lines; 0: none, as random ids).
+    ``prefix_chains`` (mooncake only) are each prompt's prefix-cache segment keys, one per
+    512-token block (`replay.engine_chains`); ``trace`` its window."""
 
     input_lens: list[int]
     output_lens: list[int]
     text_prompt: list[bool] = field(default_factory=list)
     shared_prefix_tokens: int = 0
+    prefix_chains: list[tuple[int, ...]] = field(default_factory=list)
+    trace: replay.TraceWindow | None = None
 
 
 class TokenCounter:
@@ -246,17 +260,61 @@ def request_lengths(workload: Workload, tokenizer: TokenCounter | None = None) -
             _sonnet_shared_tokens(workload, tokenizer or TokenCounter.approximate()),
             min(entry.input_len for entry in ordered),
         )
+    trace = trace_window(workload) if workload.dataset == "mooncake" else None
     return RequestLengths(
         [entry.input_len for entry in ordered],
         [entry.output_len for entry in ordered],
         text if any(text) else [],
         shared,
+        replay.engine_chains(trace.requests) if trace else [],
+        trace,
     )
+
+
+def measured_sends(workload: Workload) -> np.ndarray:
+    """When each measured request is sent (s from the benchmark start): the trace's scaled
+    timestamps for a mooncake replay at ``trace_timing: timestamps``, else the seeded
+    `schedule.arrival_times`."""
+    w = workload
+    if w.dataset == "mooncake" and w.trace_timing == "timestamps":
+        return np.array(replay.send_times(trace_window(w).requests, w.qps))
+    return arrival_times(w.num_prompts, w.qps, w.burstiness, w.seed)
+
+
+def trace_window(workload: Workload) -> replay.TraceWindow:
+    """The mooncake dataset's window of its trace file (errors as `WorkloadError`); it has no
+    warm-ups, which would change the window's cache state (the config refuses them too)."""
+    w = workload
+    if w.warmup_requests:
+        raise WorkloadError("the mooncake dataset replays no warm-up requests (set them to 0)")
+    try:
+        return replay.window(
+            _read_trace(_file_key(_dataset_file(w))),
+            w.trace_start_s,
+            w.num_prompts,
+            w.input_len,
+            w.input_overflow,
+            where=f"trace file {w.dataset_path}",
+        )
+    except replay.TraceError as error:
+        raise WorkloadError(str(error)) from error
+
+
+def _file_key(path: Path) -> tuple[str, int, int]:
+    stat = path.stat()
+    return str(path), stat.st_mtime_ns, stat.st_size
+
+
+@functools.lru_cache(maxsize=2)
+def _read_trace(key: tuple[str, int, int]) -> list[replay.TraceRequest]:
+    """A trace file's requests, read once per process and version of the file (the simulator
+    asks for a cell's lengths and its send times)."""
+    return replay.read_trace(key[0])
 
 
 def _specs(workload: Workload, entries: list[_Entry]) -> list[RequestSpec]:
     w = workload
-    sends = arrival_times(w.num_prompts, w.qps, w.burstiness, w.seed).tolist()
+    sends = measured_sends(w).tolist()
     scheduled = [0.0] * w.warmup_requests + sends
     return [
         RequestSpec(
@@ -289,7 +347,11 @@ def _entries(
         return _sonnet(workload, count, counter)
     if workload.dataset == "jsonl":
         return _jsonl(workload, count, counter, vocab_size)
-    raise WorkloadError(f"unknown dataset {workload.dataset!r} (known: random, sonnet, jsonl)")
+    if workload.dataset == "mooncake":
+        return _mooncake(workload, vocab_size)
+    raise WorkloadError(
+        f"unknown dataset {workload.dataset!r} (known: random, sonnet, jsonl, mooncake)"
+    )
 
 
 def _rng(seed: int, stream: int) -> np.random.Generator:
@@ -316,6 +378,15 @@ def _random(w: Workload, count: int, vocab_size: int | None) -> list[_Entry]:
         return [_Entry(None, i, o) for i, o in zip(inputs, outputs, strict=True)]
     prompts = _token_ids(_rng(w.seed, _IDS_STREAM), vocab_size, inputs)
     return [_Entry(p, i, o) for p, i, o in zip(prompts, inputs, outputs, strict=True)]
+
+
+def _mooncake(w: Workload, vocab_size: int | None) -> list[_Entry]:
+    requests = trace_window(w).requests
+    outputs = [min(r.output_len, w.output_len) for r in requests]
+    if vocab_size is None:
+        return [_Entry(None, r.input_len, o) for r, o in zip(requests, outputs, strict=True)]
+    built = replay.prompts(requests, w.seed, vocab_size)
+    return [_Entry(p, len(p), o) for p, o in zip(built, outputs, strict=True)]
 
 
 def _dataset_file(w: Workload) -> Path:
@@ -420,12 +491,7 @@ def _jsonl_row(
 ) -> tuple[str | None, int, int]:
     """(prompt or None, input_len (0 for a prompt: counted later), output_len) of one line."""
     where = f"dataset file {path} line {number}"
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise WorkloadError(f"{where}: not valid JSON ({error.msg})") from error
-    if not isinstance(row, dict):
-        raise WorkloadError(f"{where}: expected an object, got {type(row).__name__}")
+    row = json_object(where, line, WorkloadError)
     unknown = sorted(set(row) - {"prompt", "input_len", "output_len"})
     if unknown:
         raise WorkloadError(

@@ -26,10 +26,9 @@ from typing import Any
 
 from aiohttp import web
 
-from servematrix.emulator import wire
+from servematrix.emulator import prefixes, wire
 from servematrix.emulator.kvconnector import KvConnector, KvTransferError
 from servematrix.emulator.pacing import TokenStream, WallClockEngine
-from servematrix.emulator.prefixes import PrefixIndex
 from servematrix.engine.admission import (
     ContextLengthError,
     granted_max_tokens,
@@ -119,7 +118,7 @@ class Emulator:
         self.requests: dict[str, RequestLog] = {}
         self.num_requests = 0
         caching = engine.instance.scheduler.config.prefix_caching
-        self.prefixes = PrefixIndex() if caching else None  # --enable-prefix-caching
+        self.prefix_caching = caching  # --enable-prefix-caching
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_fastapi_errors], client_max_size=1 << 30)
@@ -148,6 +147,7 @@ class Emulator:
 
     async def metrics(self, request: web.Request) -> web.Response:
         engine, counters = self.engine, self.engine.counters
+        scheduler = engine.instance.scheduler
         text = wire.metrics_text(
             self.settings.recipe,
             self.settings.served_names[0],
@@ -157,6 +157,7 @@ class Emulator:
             prompt_tokens=counters.prompt_tokens,
             generation_tokens=counters.generation_tokens,
             preemptions=counters.preemptions,
+            prefix_cache=(scheduler.prefix_queries_tokens, scheduler.prefix_hits_tokens),
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
@@ -164,8 +165,6 @@ class Emulator:
         """0.33's dev-mode route: every cached prefix dropped, or ``success: false`` while a
         running request still holds one."""
         success = self.engine.reset_prefix_cache()
-        if success and self.prefixes is not None:
-            self.prefixes.clear()
         return _json(wire.dumps({"success": success}))
 
     async def request_log(self, request: web.Request) -> web.Response:
@@ -235,8 +234,8 @@ class Emulator:
             # KV consumer's request has waited out its whole API path before its transfer).
             if not covered.get("num_computed"):
                 arrival_s += self.settings.api_latency_ms * 1e-3
-            if self.prefixes is not None and not covered:
-                covered = self.prefixes.request_fields(self._tokens(body))
+            if self.prefix_caching and not covered:
+                covered = prefixes.request_fields(self._tokens(body))
             stream = self.engine.submit(prompt_tokens, max_tokens, arrival_s, **covered)
             if self.kv is not None:
                 self.kv.submitted(body, stream)

@@ -219,10 +219,12 @@ def metrics_text(
     prompt_tokens: int,
     generation_tokens: int,
     preemptions: int,
+    prefix_cache: tuple[int, int] = (0, 0),
 ) -> str:
     """Prometheus text of the series the harness reads (§6): 0.33 labels every series with
     ``model_name`` and ``engine="0"``; 0.6 with ``model_name`` only and names KV usage
-    ``gpu_cache_usage_perc``."""
+    ``gpu_cache_usage_perc``. ``prefix_cache`` is (queried, hit) prompt tokens: 0.33's
+    ``prefix_cache_{queries,hits}_total`` (0.6.6 exports only a hit-rate gauge, not emulated)."""
     labels = f'model_name="{model_name}"' + (',engine="0"' if recipe == "v1" else "")
     series: list[tuple[str, float]] = [
         ("vllm:num_requests_running", running),
@@ -241,6 +243,21 @@ def metrics_text(
         ("vllm:prompt_tokens", prompt_tokens),
         ("vllm:generation_tokens", generation_tokens),
     ]
+    if recipe == "v1":
+        series += [
+            (
+                "vllm:prefix_cache_queries",
+                "counter",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                prefix_cache[0],
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "counter",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                prefix_cache[1],
+            ),
+        ]
     if recipe == "v0":
         series.append(("vllm:tokens", prompt_tokens + generation_tokens))
     lines = []

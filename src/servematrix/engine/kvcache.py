@@ -140,12 +140,13 @@ class BlockPool:
     ``watermark_blocks`` is kept free when admitting a new prompt (V0's
     ``BlockSpaceManager`` watermark, 1 % of the pool; V1 has none).
 
-    Automatic prefix caching (V1's default): the full blocks of a shared prompt prefix (one
-    ``group`` per distinct prefix, e.g. the sonnet dataset's common preamble) stay in the pool
-    after the request that computed them, owned by the cache; later requests of the group use
+    Automatic prefix caching (V1's default): the full blocks of a shared prompt prefix (a chain
+    of segment keys: the sonnet dataset's common preamble is one segment, a Mooncake trace's
+    512-token blocks one each, the emulator's prompts one per block) stay in the pool after
+    the request that computed them, owned by the cache; later requests with the same keys use
     them instead of computing and allocating them. Cached blocks that no running request uses
     are evicted when an allocation would otherwise fail, as V1 evicts free cached blocks.
-    Prompts without a group (random token ids) never hit, as in vLLM.
+    Prompts without a chain (random token ids) never hit, as in vLLM.
 
     ``min_free_blocks`` is the fewest free blocks there have been, so ``peak_used_blocks``
     is the most in use at once; it is updated where blocks are taken, one comparison per
@@ -172,8 +173,8 @@ class BlockPool:
         self.min_free_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
-        self.cached_blocks: dict[int, int] = {}  # prefix group -> blocks the cache holds
-        self.prefix_users: dict[int, int] = {}  # prefix group -> requests using its blocks
+        self.cached_blocks: dict[int, int] = {}  # segment key -> blocks the cache holds
+        self.prefix_users: dict[int, int] = {}  # segment key -> requests using its blocks
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -207,36 +208,82 @@ class BlockPool:
         return self.num_blocks - self.min_free_blocks
 
     # --- prefix cache ---------------------------------------------------------------------
+    # A request's prefix is a chain of segments (`Request.prefix_chain`): segment i is its
+    # blocks [i·S, (i+1)·S) of S = ``segment_blocks``, keyed so that equal keys mean equal tokens
+    # up to the segment's end, as vLLM chains each block's hash to the blocks before it. The
+    # cache holds the leading blocks of each segment it has seen; keys are kept in the order
+    # they were last used, so eviction takes the least recently used first, as V1's free queue.
 
-    def prefix_hit_blocks(self, group: int) -> int:
-        """Blocks of ``group``'s prefix the cache holds."""
-        return self.cached_blocks.get(group, 0)
+    def prefix_hit_blocks(
+        self, chain: tuple[int, ...], segment_blocks: int, prefix_blocks: int
+    ) -> int:
+        """Leading blocks of the first ``prefix_blocks`` of ``chain`` the cache holds."""
+        cached = self.cached_blocks
+        hit = 0
+        for key in chain:
+            want = min(segment_blocks, prefix_blocks - hit)
+            have = cached.get(key, 0)
+            if have < want:
+                return hit + have
+            hit += want
+            if hit >= prefix_blocks:
+                break
+        return hit
 
-    def use_prefix(self, group: int) -> None:
-        self.prefix_users[group] = self.prefix_users.get(group, 0) + 1
+    def use_prefix(self, chain: tuple[int, ...], segment_blocks: int, blocks: int) -> None:
+        """A request takes the first ``blocks`` cached blocks of ``chain`` (most recently used)."""
+        cached, users = self.cached_blocks, self.prefix_users
+        for key in chain[: -(-blocks // segment_blocks)]:
+            users[key] = users.get(key, 0) + 1
+            cached[key] = cached.pop(key)
 
-    def release_prefix(self, group: int) -> None:
-        self.prefix_users[group] -= 1
+    def release_prefix(self, chain: tuple[int, ...], segment_blocks: int, blocks: int) -> None:
+        users = self.prefix_users
+        for key in chain[: -(-blocks // segment_blocks)]:
+            users[key] -= 1
 
-    def cache_prefix(self, group: int, blocks: int) -> None:
-        """A request hands ``blocks`` more computed prefix blocks of ``group`` to the cache."""
-        self.cached_blocks[group] = self.cached_blocks.get(group, 0) + blocks
+    def cache_prefix(
+        self, chain: tuple[int, ...], segment_blocks: int, shared: int, full: int
+    ) -> int:
+        """A request that shares its first ``shared`` blocks with the cache and has computed
+        ``full`` prefix blocks hands the new ones to the cache where they extend what it holds
+        (where another request cached further meanwhile they stay the request's own copies);
+        returns how many of the request's blocks the cache now holds."""
+        cached, users = self.cached_blocks, self.prefix_users
+        while shared < full:
+            index = shared // segment_blocks
+            start = index * segment_blocks
+            key = chain[index]
+            have = cached.get(key, 0)
+            if have != shared - start:
+                break
+            if shared == start:
+                users[key] = users.get(key, 0) + 1
+            add = min(full, start + segment_blocks) - shared
+            cached[key] = have + add
+            shared += add
+        return shared
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix, as vLLM's ``/reset_prefix_cache``: False, dropping nothing,
         while a running request still uses one."""
-        if any(self.prefix_users.get(group) for group in self.cached_blocks):
+        if any(self.prefix_users.get(key) for key in self.cached_blocks):
             return False
         self.free_blocks += sum(self.cached_blocks.values())
         self.cached_blocks.clear()
         return True
 
     def _evict(self, need_free: int) -> bool:
-        """Free cached prefixes no running request uses until ``need_free`` blocks are free."""
-        for group, blocks in list(self.cached_blocks.items()):
-            if self.free_blocks >= need_free:
+        """Free cached segments no running request uses, least recently used first, until
+        ``need_free`` blocks are free."""
+        users, free, victims = self.prefix_users, self.free_blocks, []
+        for key, blocks in self.cached_blocks.items():
+            if free >= need_free:
                 break
-            if blocks and not self.prefix_users.get(group):
-                self.free_blocks += blocks
-                del self.cached_blocks[group]
-        return self.free_blocks >= need_free
+            if not users.get(key):
+                victims.append(key)
+                free += blocks
+        for key in victims:
+            del self.cached_blocks[key]
+        self.free_blocks = free
+        return free >= need_free

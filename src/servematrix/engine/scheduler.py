@@ -121,15 +121,20 @@ def _default_scheduler_config(
     raise ValueError(f"unknown recipe {recipe!r} (known: v0, v1)")
 
 
+_ONE_SEGMENT = 1 << 40
+"""``prefix_segment_blocks`` 0: a single segment longer than any prefix."""
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One request inside an instance. ``receive_ms`` > 0 marks a V0 KV consumer request whose
     prompt KV is received inside the forward pass instead of computed, taking that long.
 
-    ``prefix_group`` names the shared prefix of the prompt's first ``prefix_tokens`` tokens
-    (requests with the same group have the same tokens there, e.g. the sonnet dataset's
-    preamble); None for a prompt that shares nothing (random token ids). With prefix caching,
-    ``shared_blocks`` of the request's ``num_blocks`` belong to the cache, not to it."""
+    ``prefix_chain`` keys the segments of the prompt's first ``prefix_tokens`` tokens that
+    other prompts may share (`BlockPool`'s prefix cache): ``prefix_segment_blocks`` blocks each
+    (0: one segment for all of them, as the sonnet dataset's preamble); empty for a prompt that
+    shares nothing (random token ids). With prefix caching, ``shared_blocks`` of the request's
+    ``num_blocks`` belong to the cache, not to it."""
 
     request_id: int
     prompt_tokens: int
@@ -139,9 +144,14 @@ class Request:
     num_blocks: int = 0
     num_preemptions: int = 0
     receive_ms: float = 0.0
-    prefix_group: int | None = None
+    prefix_chain: tuple[int, ...] = ()
     prefix_tokens: int = 0
+    prefix_segment_blocks: int = 0
     shared_blocks: int = 0
+
+    @property
+    def segment_blocks(self) -> int:
+        return self.prefix_segment_blocks or _ONE_SEGMENT
 
     @property
     def num_tokens(self) -> int:
@@ -165,6 +175,8 @@ class Scheduler:
         self._prefill_first = config.policy == "prefill_first"
         self.pool = pool
         self._prefix_caching = config.prefix_caching
+        self.prefix_queries_tokens = 0  # vLLM's prefix_cache_queries: prompt tokens looked up
+        self.prefix_hits_tokens = 0  # prefix_cache_hits: of them, found in the cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -218,7 +230,7 @@ class Scheduler:
         new_tokens = step.new_tokens  # parallel lists (zip's strict=True costs here)
         for index, request in enumerate(step.requests):
             request.num_computed += new_tokens[index]
-            if caching and request.prefix_group is not None:
+            if caching and request.prefix_chain:
                 self._cache_computed_prefix(request)
             if request.num_computed == request.prompt_tokens + request.num_generated:
                 request.num_generated += 1
@@ -291,37 +303,48 @@ class Scheduler:
         """Give a request's own blocks back to the pool; its cached prefix blocks stay cached."""
         self.pool.free_blocks += request.num_blocks - request.shared_blocks  # pool.free, inlined
         if request.shared_blocks:
-            self.pool.release_prefix(request.prefix_group)
+            self.pool.release_prefix(
+                request.prefix_chain, request.segment_blocks, request.shared_blocks
+            )
             request.shared_blocks = 0
         request.num_blocks = 0
 
     def _use_cached_prefix(self, request: Request) -> None:
         """At admission of a request with nothing computed: take the cached blocks of its prefix
-        group as computed (V1 recomputes at least the prompt's last token)."""
+        chain as computed (V1 recomputes at least the prompt's last token). Counts the lookup as
+        V1's exported counters do: every lookup of a request never preempted (a preempted one's
+        are counted apart and not exported, as it would hit its own blocks again)."""
         pool = self.pool
+        num_tokens = request.prompt_tokens + request.num_generated
+        counted = not request.num_preemptions
+        if counted:
+            self.prefix_queries_tokens += num_tokens
+        if not request.prefix_chain:
+            return
         hit = min(
-            pool.prefix_hit_blocks(request.prefix_group),
-            request.prefix_tokens // pool.block_size,
-            (request.prompt_tokens + request.num_generated - 1) // pool.block_size,
+            pool.prefix_hit_blocks(
+                request.prefix_chain,
+                request.segment_blocks,
+                request.prefix_tokens // pool.block_size,
+            ),
+            (num_tokens - 1) // pool.block_size,
         )
         if hit > 0:
-            pool.use_prefix(request.prefix_group)
+            pool.use_prefix(request.prefix_chain, request.segment_blocks, hit)
             request.num_computed = hit * pool.block_size
             request.num_blocks = request.shared_blocks = hit
+            if counted:
+                self.prefix_hits_tokens += request.num_computed
 
     def _cache_computed_prefix(self, request: Request) -> None:
-        """Hand the request's newly computed full prefix blocks to the cache when they extend
-        what the cache holds (another request may have cached them meanwhile: then they stay
-        the request's own copies)."""
+        """Hand the request's newly computed full prefix blocks to the cache where they extend
+        what it holds (`BlockPool.cache_prefix`)."""
         pool = self.pool
         full = min(request.num_computed, request.prefix_tokens) // pool.block_size
-        cached = pool.prefix_hit_blocks(request.prefix_group)
-        if full <= request.shared_blocks or cached != request.shared_blocks:
-            return
-        if not request.shared_blocks:
-            pool.use_prefix(request.prefix_group)
-        pool.cache_prefix(request.prefix_group, full - cached)
-        request.shared_blocks = full
+        if full > request.shared_blocks:
+            request.shared_blocks = pool.cache_prefix(
+                request.prefix_chain, request.segment_blocks, request.shared_blocks, full
+            )
 
     def _grow(self, request: Request, new_tokens: int) -> bool:
         """Allocate the blocks ``request`` needs to hold ``new_tokens`` more tokens."""
@@ -374,7 +397,7 @@ class Scheduler:
         seats = config.max_num_seqs - len(self.running)
         while waiting and seats > 0:
             request = waiting[0]
-            if self._prefix_caching and request.prefix_group is not None and not request.num_blocks:
+            if self._prefix_caching and not request.num_blocks:
                 self._use_cached_prefix(request)
             num_tokens = request.prompt_tokens + request.num_generated
             need = num_tokens - request.num_computed
@@ -406,7 +429,7 @@ class Scheduler:
         running, requests, new_tokens = self.running, step.requests, step.new_tokens
         while waiting and seats > 0 and budget > 0:
             request = waiting[0]
-            if caching and request.prefix_group is not None and not request.num_blocks:
+            if caching and not request.num_blocks:
                 self._use_cached_prefix(request)
             need = request.prompt_tokens + request.num_generated - request.num_computed
             if need > budget:

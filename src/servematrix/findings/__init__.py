@@ -6,7 +6,8 @@ summary contains: several modes are compared within each model (plain vs chunked
 vs TCP, aggregated vs disaggregated when those modes are present); several models of one mode
 are ranked against each other. Every number is computed from the summary and the capacity
 table. Modules: ``common`` (metrics, groups, formats), ``recommend`` (the answer), ``compare``
-(configurations against each other), ``health`` (limits and the harness), ``render``.
+(configurations against each other), ``health`` (limits and the harness), ``reuse`` (prefix
+reuse against what a trace allows), ``render``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from servematrix.findings.health import (
 )
 from servematrix.findings.recommend import Context, recommendation_section
 from servematrix.findings.render import to_html, to_markdown
+from servematrix.findings.reuse import reuse_section
 
 __all__ = ["Context", "Findings", "Section", "study_findings", "to_html", "to_markdown"]
 
@@ -101,6 +103,7 @@ def study_findings(
         memory_section(gs),
         saturation_section(summary, x, series),
         preemption_section(summary, x, series),
+        reuse_section(summary, x, series),
         health_section(summary, x, series),
     ]
     return Findings(title, x, [s for s in sections if s and (s.sentences or s.tables)])

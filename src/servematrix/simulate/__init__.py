@@ -47,13 +47,12 @@ from servematrix.engine.kvcache import KvMemoryPlan
 from servematrix.engine.setup import DEFAULT_GPU, EngineSetup, cell_engine_setup
 from servematrix.engine.steptime import StepTimeModel
 from servematrix.engine.transfer import NO_PROXY, ProxyHop
-from servematrix.schedule import arrival_times
 from servematrix.simulate.disagg import Disaggregated
 from servematrix.simulate.requests import Served, serve_or_refuse
 from servematrix.simulate.roundrobin import RoundRobin, round_robin_targets
 from servematrix.simulate.v1 import OrderTie
 from servematrix.trace import RequestRecord
-from servematrix.workload import TokenCounter, request_lengths
+from servematrix.workload import TokenCounter, measured_sends, request_lengths
 
 __all__ = [
     "Served",
@@ -122,8 +121,12 @@ def _cyclic_gc_paused() -> Iterator[None]:
 def _simulate(cell: Cell, step_time: StepTimeModel | None, one_queue: bool) -> SimulationResult:
     setup = cell_engine_setup(cell, step_time)
     workload = cell.workload
-    sends = arrival_times(workload.num_prompts, workload.qps, workload.burstiness, workload.seed)
-    counter = None if workload.dataset == "random" else TokenCounter.for_model(cell.model.hf_id)
+    sends = measured_sends(workload)
+    counter = (
+        None
+        if workload.dataset in ("random", "mooncake")
+        else TokenCounter.for_model(cell.model.hf_id)
+    )
     lengths = request_lengths(workload, counter)
     instances = [setup.instance(workload.seed, index) for index in range(cell.mode.instances)]
     served = serve_or_refuse(
@@ -154,6 +157,14 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None, one_queue: bool) -> S
         parameters["token_counter"] = counter.description
     if lengths.shared_prefix_tokens:
         parameters["shared_prefix_tokens"] = lengths.shared_prefix_tokens
+    if cell.serving.prefix_caching:  # the instances that compute prompts (not a decode one)
+        computing = instances[:1] if cell.mode.disaggregated else instances
+        parameters["prefix_cache_queries_tokens"] = sum(
+            i.scheduler.prefix_queries_tokens for i in computing
+        )
+        parameters["prefix_cache_hits_tokens"] = sum(
+            i.scheduler.prefix_hits_tokens for i in computing
+        )
     return SimulationResult(
         records=records,
         engine_parameters=parameters,

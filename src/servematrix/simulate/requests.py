@@ -6,9 +6,11 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from servematrix import replay
 from servematrix.engine.admission import (
     NO_TOKEN_ERROR,
     ContextLengthError,
@@ -17,7 +19,7 @@ from servematrix.engine.admission import (
     kv_capacity_message,
 )
 from servematrix.engine.instance import DecodeRun, StepResult
-from servematrix.engine.kvcache import BlockPool
+from servematrix.engine.kvcache import BLOCK_SIZE_TOKENS, BlockPool
 from servematrix.engine.scheduler import Request
 from servematrix.trace import RequestRecord
 from servematrix.workload import RequestLengths
@@ -74,7 +76,8 @@ class Requests:
         self.max_tokens = served.max_tokens
         self.refused = served.errors
         self.prefix_tokens = lengths.shared_prefix_tokens
-        self.group = 0 if self.prefix_tokens else None
+        self.group = (0,) if self.prefix_tokens else ()
+        self.chains = lengths.prefix_chains
         self.made: list[Request] = []
 
     def new(self, k: int, max_tokens: int | None = None) -> Request:
@@ -83,8 +86,7 @@ class Requests:
             k,
             self.input_lens[k],
             self.max_tokens[k] if max_tokens is None else max_tokens,
-            prefix_group=self.group,
-            prefix_tokens=self.prefix_tokens,
+            **self.prefix(k),
         )
         self.made.append(request)
         return request
@@ -94,18 +96,25 @@ class Requests:
         refused ones; one comprehension, as a 100,000-request cell makes them all at once."""
         inputs, refused = self.input_lens, self.refused
         max_tokens = self.max_tokens if limit is None else [limit] * len(inputs)
-        if self.group is None:  # no prefix to share: the defaults, and no keyword arguments
+        if not self.group and not self.chains:  # nothing to share: no keyword arguments
             made = [Request(k, inputs[k], max_tokens[k]) for k in ids]
         else:
-            group, tokens = self.group, self.prefix_tokens
-            made = [
-                Request(k, inputs[k], max_tokens[k], prefix_group=group, prefix_tokens=tokens)
-                for k in ids
-            ]
+            made = [Request(k, inputs[k], max_tokens[k], **self.prefix(k)) for k in ids]
         if refused:
             made = [None if request.request_id in refused else request for request in made]
         self.made.extend(request for request in made if request is not None)
         return made
+
+    def prefix(self, k: int) -> dict[str, Any]:
+        """Request ``k``'s prefix-cache chain: a trace's 512-token blocks, or the one shared
+        prefix of every prompt (`replay.engine_chains`, `RequestLengths`)."""
+        if self.chains:
+            return {
+                "prefix_chain": self.chains[k],
+                "prefix_tokens": self.input_lens[k],
+                "prefix_segment_blocks": replay.BLOCK_TOKENS // BLOCK_SIZE_TOKENS,
+            }
+        return {"prefix_chain": self.group, "prefix_tokens": self.prefix_tokens}
 
     def keep(self, request: Request) -> Request:
         self.made.append(request)
