@@ -136,6 +136,19 @@ def test_max_num_batched_tokens_override_reaches_the_scheduler():
         simulate(unchunked)
 
 
+def test_max_num_seqs_caps_the_running_batch():
+    """--max-num-seqs 4: at most four requests decode at once, so a burst of 16 queues and its
+    TTFTs spread over four admission waves, where the default (256) runs all 16 together."""
+    burst = dataclasses.replace(
+        cell("single", "v1", qps=float("inf"), n=16),
+        workload=Workload(float("inf"), 128, 100, 16, 0, "random", 1.0, 0),
+    )
+    capped = dataclasses.replace(burst, serving=Serving(10_000, 0.8, max_num_seqs=4))
+    result = simulate(capped)
+    assert result.engine_parameters["scheduler"]["max_num_seqs"] == 4
+    assert ttft_ms(result).max() > 3 * ttft_ms(simulate(burst)).max()
+
+
 def test_v0_receive_stalls_decodes_on_the_consumer():
     """A V0 receive is part of the decode instance's step: with a slow CPU chain, requests that
     are decoding when another request's KV arrives see an inter-token gap of about the receive."""

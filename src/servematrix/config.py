@@ -97,7 +97,9 @@ class Serving:
     ``max_num_batched_tokens`` None keeps the recipe's default (see
     ``servematrix.engine.scheduler.scheduler_config``); ``enforce_eager`` is vLLM's
     ``--enforce-eager`` (no CUDA graphs); ``prefix_caching`` is ``--enable-prefix-caching``
-    (False: off in both recipes, for parity with the published vLLM 0.6 studies).
+    (False: off in both recipes, for parity with the published vLLM 0.6 studies);
+    ``max_num_seqs`` is ``--max-num-seqs`` (None: the recipe's default, 256, or 1024 for v1 on
+    H100/H200).
     """
 
     max_model_len: int
@@ -105,6 +107,7 @@ class Serving:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
     prefix_caching: bool = False
+    max_num_seqs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,8 @@ class Cell:
             # Left out at its default: the setting's arrival changed no existing cell's
             # parameters (no rerun) nor its trace metadata.
             del data["serving"]["prefix_caching"]
+        if self.serving.max_num_seqs is None:
+            del data["serving"]["max_num_seqs"]  # the same: no existing cell changes
         return data
 
     @classmethod
@@ -353,6 +358,7 @@ def _study(
         settings.get("max_num_batched_tokens"),
         bool(settings.get("enforce_eager", False)),
         bool(settings.get("prefix_caching", False)),
+        settings.get("max_num_seqs"),
     )
     _check_workload_settings(base, data, settings)
     cells = []

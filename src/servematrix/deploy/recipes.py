@@ -359,6 +359,8 @@ def _server_argv(
     argv += ["--host", host]
     if cell.serving.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(cell.serving.max_num_batched_tokens)]
+    if cell.serving.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(cell.serving.max_num_seqs)]
     if cell.serving.enforce_eager:
         argv.append("--enforce-eager")
     if backend == "emulator":
