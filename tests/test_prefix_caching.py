@@ -137,6 +137,32 @@ def test_simulated_sonnet_cells_hit_the_cache_random_cells_do_not(small_config, 
         assert random_on.records == random_off.records
 
 
+def test_shared_system_prompts_have_their_own_path_and_hit_the_cache(small_config):
+    """Random prompts that start with one of four 512-token system prompts: a cell path of
+    their own, and with caching each system prompt is computed about once."""
+    import copy
+
+    shared = {"prefix_len": 512, "prefix_groups": 4}
+    off, on = (cells(copy.deepcopy(small_config), "v1", c, **shared)[0] for c in (False, True))
+    plain = cells(copy.deepcopy(small_config), "v1", False)[0]
+    assert off.path == plain.path.replace(".parquet", "_p512_g4.parquet")
+    assert "prefix_groups" not in plain.to_dict()["workload"]  # parameters as before
+    assert Cell.from_dict(on.to_dict()) == on
+    mean_on, mean_off = ttft_ms(simulate(on).records).mean(), ttft_ms(simulate(off).records).mean()
+    assert mean_on < 0.8 * mean_off
+
+
+def test_prefix_groups_need_random_prompts_with_a_prefix(small_config, tmp_path):
+    import copy
+
+    for workload in ({"prefix_groups": 2}, {"dataset": "sonnet", "prefix_len": 600,
+                     "dataset_path": sonnet_file(tmp_path), "prefix_groups": 2}):  # fmt: skip
+        with pytest.raises(config.ConfigError) as error:
+            cells(copy.deepcopy(small_config), "v1", False, **workload)
+        assert error.value.key_path == "studies.apc.workload.prefix_groups"
+        assert "random dataset with a prefix_len" in str(error.value)
+
+
 def test_prefix_index_shares_full_blocks_only():
     index = PrefixIndex(block_size=4)
     first = index.request_fields(list(range(10)))  # 2 full blocks

@@ -71,8 +71,10 @@ class Workload:
     free slot after its scheduled time, as ``vllm bench serve --max-concurrency``.
     ``range_ratio`` spreads the random dataset's lengths uniformly over
     [len·(1−r), len·(1+r)]; ``dataset_path`` is the sonnet text or jsonl file; ``prefix_len``
-    the sonnet prompts' shared prefix in tokens. ``ignore_eos`` False lets the server stop at
-    EOS (the output length is then the model's, at most the dataset's).
+    the sonnet prompts' shared prefix in tokens, or the random prompts' system prompt (part
+    of ``input_len``), one of ``prefix_groups`` distinct ones per request. ``ignore_eos``
+    False lets the server stop at EOS (the output length is then the model's, at most the
+    dataset's).
     """
 
     qps: float
@@ -88,6 +90,7 @@ class Workload:
     dataset_path: str | None = None
     prefix_len: int = 0
     ignore_eos: bool = True
+    prefix_groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ class Cell:
             del data["serving"]["prefix_caching"]
         if self.serving.max_num_seqs is None:
             del data["serving"]["max_num_seqs"]  # the same: no existing cell changes
+        if self.workload.prefix_groups == 1:
+            del data["workload"]["prefix_groups"]
         return data
 
     @classmethod
@@ -218,7 +223,8 @@ def workload_token(w: Workload) -> str:
     The design's ``qps{qps}_in{input_len}_out{output_len}_n{num_prompts}_s{seed}``, then one
     suffix per setting that differs from its default, in this order, so that two different
     workloads never share a path while the default paths stay as they were:
-    ``_{dataset}-{file stem}`` (sonnet, jsonl), ``_p{prefix_len}``, ``_r{range_ratio}``,
+    ``_{dataset}-{file stem}`` (sonnet, jsonl), ``_p{prefix_len}``, ``_g{prefix_groups}``,
+    ``_r{range_ratio}``,
     ``_b{burstiness}``, ``_c{max_concurrency}``, ``_w{warmup_requests}`` (default 1) and
     ``_eos`` (``ignore_eos`` off). ``qps: .inf`` is spelled ``qpsinf``.
     """
@@ -230,6 +236,8 @@ def workload_token(w: Workload) -> str:
         token += f"_{w.dataset}-{stem}"
     if w.prefix_len:
         token += f"_p{w.prefix_len}"
+    if w.prefix_groups != 1:
+        token += f"_g{w.prefix_groups}"
     if w.range_ratio:
         token += f"_r{format_number(w.range_ratio)}"
     if w.burstiness != 1.0:
@@ -382,6 +390,7 @@ def _study(
                         dataset_path=settings.get("dataset_path"),
                         prefix_len=settings["prefix_len"],
                         ignore_eos=bool(settings["ignore_eos"]),
+                        prefix_groups=settings.get("prefix_groups", 1),
                     )
                     cells.append(
                         Cell(
@@ -429,8 +438,14 @@ def _check_workload_settings(
             raise ConfigError(where("dataset_path"), f"dataset file {path} does not exist")
         if settings["range_ratio"]:
             raise ConfigError(where("range_ratio"), "applies to the random dataset only")
-    if settings["prefix_len"] and dataset != "sonnet":
-        raise ConfigError(where("prefix_len"), "applies to the sonnet dataset only")
+    if settings["prefix_len"] and dataset not in ("sonnet", "random"):
+        raise ConfigError(where("prefix_len"), "applies to the sonnet and random datasets only")
+    if settings.get("prefix_groups", 1) != 1 and not (
+        dataset == "random" and settings["prefix_len"]
+    ):
+        raise ConfigError(
+            where("prefix_groups"), "applies to the random dataset with a prefix_len only"
+        )
 
 
 def _check_fits(base: str, settings: Mapping[str, Any], input_len: int) -> None:
@@ -439,11 +454,11 @@ def _check_fits(base: str, settings: Mapping[str, Any], input_len: int) -> None:
     ratio = settings["range_ratio"]
     longest_in = math.ceil(input_len * (1 + ratio))
     longest_out = math.ceil(settings["output_len"] * (1 + ratio))
-    if settings["prefix_len"] >= input_len:
+    if settings["prefix_len"] >= math.floor(input_len * (1 - ratio)):
         raise ConfigError(
             f"{base}.input_len",
-            f"input {input_len} must be longer than the shared prefix "
-            f"(prefix_len {settings['prefix_len']})",
+            f"input {input_len}{' at its shortest' if ratio else ''} must be longer than the "
+            f"shared prefix (prefix_len {settings['prefix_len']})",
         )
     if longest_in + longest_out > settings["max_model_len"]:
         spread = f" (range_ratio {ratio:g})" if ratio else ""

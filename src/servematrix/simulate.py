@@ -263,6 +263,7 @@ class _Requests:
         self.refused = served.errors
         self.prefix_tokens = lengths.shared_prefix_tokens
         self.group = 0 if self.prefix_tokens else None
+        self.groups = lengths.prefix_groups  # per request when there are several system prompts
         self.made: list[Request] = []
 
     def new(self, k: int, max_tokens: int | None = None) -> Request:
@@ -271,7 +272,7 @@ class _Requests:
             k,
             self.input_lens[k],
             self.max_tokens[k] if max_tokens is None else max_tokens,
-            prefix_group=self.group,
+            prefix_group=self.groups[k] if self.groups else self.group,
             prefix_tokens=self.prefix_tokens,
         )
         self.made.append(request)
@@ -285,9 +286,9 @@ class _Requests:
         if self.group is None:  # no prefix to share: the defaults, and no keyword arguments
             made = [Request(k, inputs[k], max_tokens[k]) for k in ids]
         else:
-            group, tokens = self.group, self.prefix_tokens
+            groups, tokens = self.groups or [self.group] * len(inputs), self.prefix_tokens
             made = [
-                Request(k, inputs[k], max_tokens[k], prefix_group=group, prefix_tokens=tokens)
+                Request(k, inputs[k], max_tokens[k], prefix_group=groups[k], prefix_tokens=tokens)
                 for k in ids
             ]
         if refused:

@@ -56,6 +56,9 @@ _APPROXIMATE_TOKEN = re.compile(r"[^\W\d_]+|\d|[^\w\s]|_|\n")
 
 # Independent streams of one seed: lengths, output lengths and token ids never share draws.
 _INPUT_STREAM, _OUTPUT_STREAM, _IDS_STREAM = 0, 1, 2
+_GROUP_STREAM, _PREFIX_STREAM = 3, 4
+"""Random prompts with shared system prompts: which one each request starts with, and their
+tokens (streams of their own, so prompts without a shared prefix stay as they were)."""
 
 
 class WorkloadError(ValueError):
@@ -85,12 +88,15 @@ class RequestLengths:
 
     ``text_prompt`` tells which prompts are text, not token ids (empty: none are);
     ``shared_prefix_tokens`` is how many tokens every prompt starts with in common (the sonnet
-    dataset's chat-template head, base prompt and prefix lines; 0: none, as random ids)."""
+    dataset's chat-template head, base prompt and prefix lines; a random prompt's system
+    prompt; 0: none, as random ids); ``prefix_groups`` which of the workload's system prompts
+    each request starts with (empty: all share the one prefix)."""
 
     input_lens: list[int]
     output_lens: list[int]
     text_prompt: list[bool] = field(default_factory=list)
     shared_prefix_tokens: int = 0
+    prefix_groups: list[int] = field(default_factory=list)
 
 
 class TokenCounter:
@@ -208,6 +214,7 @@ class _Entry:
     prompt: list[int] | str | None
     input_len: int
     output_len: int
+    prefix_group: int = 0
 
 
 def build_requests(
@@ -236,11 +243,16 @@ def request_lengths(workload: Workload, tokenizer: TokenCounter | None = None) -
             _sonnet_shared_tokens(workload, tokenizer or TokenCounter.approximate()),
             min(entry.input_len for entry in ordered),
         )
+    groups = []
+    if workload.dataset == "random" and workload.prefix_len:
+        shared = workload.prefix_len
+        groups = [entry.prefix_group for entry in ordered] if workload.prefix_groups > 1 else []
     return RequestLengths(
         [entry.input_len for entry in ordered],
         [entry.output_len for entry in ordered],
         text if any(text) else [],
         shared,
+        groups,
     )
 
 
@@ -302,10 +314,31 @@ def _token_ids(rng: np.random.Generator, vocab_size: int, lengths: Sequence[int]
 def _random(w: Workload, count: int, vocab_size: int | None) -> list[_Entry]:
     inputs = _spread(_rng(w.seed, _INPUT_STREAM), w.input_len, w.range_ratio, count)
     outputs = _spread(_rng(w.seed, _OUTPUT_STREAM), w.output_len, w.range_ratio, count)
+    if w.prefix_len:
+        return _random_with_system_prompts(w, inputs, outputs, vocab_size)
     if vocab_size is None:
         return [_Entry(None, i, o) for i, o in zip(inputs, outputs, strict=True)]
     prompts = _token_ids(_rng(w.seed, _IDS_STREAM), vocab_size, inputs)
     return [_Entry(p, i, o) for p, i, o in zip(prompts, inputs, outputs, strict=True)]
+
+
+def _random_with_system_prompts(
+    w: Workload, inputs: list[int], outputs: list[int], vocab_size: int | None
+) -> list[_Entry]:
+    """Random prompts that start with one of ``prefix_groups`` system prompts of
+    ``prefix_len`` random tokens each (drawn uniformly per request), then random tokens up to
+    the request's input length: the shape of vLLM's ``prefix_repetition`` dataset."""
+    groups = _rng(w.seed, _GROUP_STREAM).integers(0, w.prefix_groups, len(inputs)).tolist()
+    if vocab_size is None:
+        return [_Entry(None, i, o, g) for i, o, g in zip(inputs, outputs, groups, strict=True)]
+    prefixes = _token_ids(
+        _rng(w.seed, _PREFIX_STREAM), vocab_size, [w.prefix_len] * w.prefix_groups
+    )
+    suffixes = _token_ids(_rng(w.seed, _IDS_STREAM), vocab_size, [i - w.prefix_len for i in inputs])
+    return [
+        _Entry(prefixes[g] + s, i, o, g)
+        for s, i, o, g in zip(suffixes, inputs, outputs, groups, strict=True)
+    ]
 
 
 def _dataset_file(w: Workload) -> Path:
