@@ -102,7 +102,8 @@ class Serving:
     ``--enforce-eager`` (no CUDA graphs); ``prefix_caching`` is ``--enable-prefix-caching``
     (False: off in both recipes, for parity with the published vLLM 0.6 studies);
     ``max_num_seqs`` is ``--max-num-seqs`` (None: the recipe's default, 256, or 1024 for v1 on
-    H100/H200).
+    H100/H200); ``kv_offloading_gib`` is ``--kv-offloading-size`` (vLLM's native CPU KV
+    offloading, GiB in all TP ranks; v1 only, None: off).
     """
 
     max_model_len: int
@@ -111,6 +112,7 @@ class Serving:
     enforce_eager: bool = False
     prefix_caching: bool = False
     max_num_seqs: int | None = None
+    kv_offloading_gib: float | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,8 @@ class Cell:
             del data["serving"]["prefix_caching"]
         if self.serving.max_num_seqs is None:
             del data["serving"]["max_num_seqs"]  # the same: no existing cell changes
+        if self.serving.kv_offloading_gib is None:
+            del data["serving"]["kv_offloading_gib"]
         if self.workload.prefix_groups == 1:
             del data["workload"]["prefix_groups"]
         return data
@@ -367,6 +371,7 @@ def _study(
         bool(settings.get("enforce_eager", False)),
         bool(settings.get("prefix_caching", False)),
         settings.get("max_num_seqs"),
+        settings.get("kv_offloading_size"),
     )
     _check_workload_settings(base, data, settings)
     cells = []
@@ -392,10 +397,12 @@ def _study(
                         ignore_eos=bool(settings["ignore_eos"]),
                         prefix_groups=settings.get("prefix_groups", 1),
                     )
+                    recipe = spec.recipe or data["recipe"]
+                    _check_offloading(base, data, serving, recipe, MODES[mode])
                     cells.append(
                         Cell(
                             backend=raw["backend"],
-                            recipe=spec.recipe or data["recipe"],
+                            recipe=recipe,
                             model=spec,
                             mode=MODES[mode],
                             workload=workload,
@@ -415,6 +422,25 @@ def _study(
         x=data["x"],
         cells=tuple(cells),
     )
+
+
+def _check_offloading(
+    base: str, data: Mapping[str, Any], serving: Serving, recipe: str, mode: ModeSpec
+) -> None:
+    """CPU KV offloading is a V1 flag (vLLM 0.6 has none); with a disaggregated mode it would
+    need a second KV connector beside Mooncake's, which the engine does not model."""
+    if serving.kv_offloading_gib is None:
+        return
+    key = "kv_offloading_size"
+    where = f"{base}.workload.{key}" if key in data.get("workload", {}) else f"defaults.{key}"
+    if recipe != "v1":
+        raise ConfigError(where, f"needs recipe v1 (vLLM 0.6, recipe {recipe}, has no such flag)")
+    if mode.disaggregated:
+        raise ConfigError(
+            where,
+            f"is not modelled with the disaggregated mode {mode.name!r} (single-instance "
+            "and round-robin modes only)",
+        )
 
 
 def _check_workload_settings(

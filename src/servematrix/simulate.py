@@ -181,6 +181,7 @@ def engine_setup(cell: Cell, step_time: StepTimeModel | None = None) -> EngineSe
         gpu=cell.engine.get("gpu", DEFAULT_GPU),
         max_num_batched_tokens=serving.max_num_batched_tokens,
         max_num_seqs=serving.max_num_seqs,
+        kv_offloading_gib=serving.kv_offloading_gib,
         enforce_eager=serving.enforce_eager,
         prefix_caching=serving.prefix_caching,  # as the recipes' --[no-]enable-prefix-caching
         jitter_cv=float(cell.engine.get("jitter_cv", DEFAULT_JITTER_CV)),

@@ -242,6 +242,9 @@ class EngineInstance:
         new_tokens = scheduled.new_tokens  # parallel lists (zip's strict=True costs here)
         for index, request in enumerate(scheduled.requests):
             new = new_tokens[index]
+            if request.load_ms:  # its prefix came back from the CPU KV tier before this step
+                receive_ms += request.load_ms
+                request.load_ms = 0.0
             if request.receive_ms:
                 # V0 KV consumer: the prompt's KV arrives inside the forward pass instead of
                 # being computed; only the last position's logits are left to compute.

@@ -11,6 +11,7 @@ request's next tokens fit.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from servematrix.engine.architecture import Architecture
@@ -134,6 +135,57 @@ def plan_kv_memory(
     )
 
 
+HOST_COPY_EFFICIENCY = 0.8
+"""Share of the PCIe link's datasheet rate a pinned host-to-device copy reaches (approximate,
+not measured here; pinned-memory copies typically reach 75-85 %)."""
+
+
+@dataclass(frozen=True)
+class KvOffload:
+    """vLLM's native CPU KV offloading (``--kv-offloading-size``): ``capacity_blocks`` GPU-block
+    equivalents in host memory, and the time to load one block back to the GPU."""
+
+    capacity_blocks: int
+    load_ms_per_block: float
+
+
+def kv_offload(plan: KvMemoryPlan, gpu: GpuSpec, tp: int, size_gib: float) -> KvOffload:
+    """The host tier of ``size_gib`` GiB in all (vLLM: "the total buffer size summed across all
+    TP ranks"), loaded over each GPU's own PCIe link in parallel."""
+    if size_gib <= 0:
+        raise ValueError(f"--kv-offloading-size must be > 0 GiB, got {size_gib:g}")
+    block_bytes = plan.kv_bytes_per_token_per_gpu * plan.block_size_tokens
+    capacity = math.floor(size_gib * GIB / tp / block_bytes)
+    load_ms = block_bytes / (gpu.host_link_gb_s * 1e9 * HOST_COPY_EFFICIENCY) * 1e3
+    return KvOffload(capacity, load_ms)
+
+
+class CpuKvTier:
+    """The prefix blocks vLLM's native offloading keeps in host memory, per prefix group,
+    least recently used evicted first. Every prefix block the GPU cache receives is stored here
+    too (the connector stores each computed full block; the copy runs beside the steps, so it
+    costs no step time), so a prefix the GPU evicts can be loaded back instead of recomputed."""
+
+    __slots__ = ("blocks", "capacity_blocks", "load_ms_per_block")
+
+    def __init__(self, offload: KvOffload):
+        self.capacity_blocks = offload.capacity_blocks
+        self.load_ms_per_block = offload.load_ms_per_block
+        self.blocks: OrderedDict[int, int] = OrderedDict()  # prefix group -> blocks held
+
+    def store(self, group: int, blocks: int) -> None:
+        held = self.blocks.pop(group, 0)
+        self.blocks[group] = min(max(held, blocks), self.capacity_blocks)
+        while sum(self.blocks.values()) > self.capacity_blocks:
+            self.blocks.popitem(last=False)
+
+    def hit_blocks(self, group: int) -> int:
+        held = self.blocks.get(group, 0)
+        if held:
+            self.blocks.move_to_end(group)
+        return held
+
+
 class BlockPool:
     """Free-block accounting of one instance; requests hold whole blocks.
 
@@ -155,6 +207,7 @@ class BlockPool:
     __slots__ = (
         "block_size",
         "cached_blocks",
+        "cpu",
         "free_blocks",
         "min_free_blocks",
         "num_blocks",
@@ -163,7 +216,11 @@ class BlockPool:
     )
 
     def __init__(
-        self, num_blocks: int, block_size: int = BLOCK_SIZE_TOKENS, watermark: float = 0.0
+        self,
+        num_blocks: int,
+        block_size: int = BLOCK_SIZE_TOKENS,
+        watermark: float = 0.0,
+        offload: KvOffload | None = None,
     ):
         if num_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
@@ -174,6 +231,7 @@ class BlockPool:
         self.watermark_blocks = int(watermark * num_blocks)
         self.cached_blocks: dict[int, int] = {}  # prefix group -> blocks the cache holds
         self.prefix_users: dict[int, int] = {}  # prefix group -> requests using its blocks
+        self.cpu = CpuKvTier(offload) if offload else None
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -221,6 +279,25 @@ class BlockPool:
     def cache_prefix(self, group: int, blocks: int) -> None:
         """A request hands ``blocks`` more computed prefix blocks of ``group`` to the cache."""
         self.cached_blocks[group] = self.cached_blocks.get(group, 0) + blocks
+        if self.cpu is not None:
+            self.cpu.store(group, self.cached_blocks[group])
+
+    def load_offloaded(self, group: int, want_blocks: int) -> float:
+        """Bring ``group``'s prefix blocks the host tier holds beyond the GPU cache's back
+        into the GPU cache, up to ``want_blocks`` in all; the load's time in ms (0: nothing to
+        load, or no free blocks for it)."""
+        cpu = self.cpu
+        have = self.cached_blocks.get(group, 0)
+        load = min(cpu.hit_blocks(group), want_blocks) - have if cpu is not None else 0
+        if load <= 0:
+            return 0.0
+        self.use_prefix(group)  # its GPU blocks stay while others are evicted for the load
+        taken = self.allocate(load)
+        self.release_prefix(group)
+        if not taken:
+            return 0.0
+        self.cached_blocks[group] = have + load
+        return load * cpu.load_ms_per_block
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix, as vLLM's ``/reset_prefix_cache``: False, dropping nothing,
@@ -229,6 +306,8 @@ class BlockPool:
             return False
         self.free_blocks += sum(self.cached_blocks.values())
         self.cached_blocks.clear()
+        if self.cpu is not None:
+            self.cpu.blocks.clear()
         return True
 
     def _evict(self, need_free: int) -> bool:

@@ -129,7 +129,9 @@ class Request:
     ``prefix_group`` names the shared prefix of the prompt's first ``prefix_tokens`` tokens
     (requests with the same group have the same tokens there, e.g. the sonnet dataset's
     preamble); None for a prompt that shares nothing (random token ids). With prefix caching,
-    ``shared_blocks`` of the request's ``num_blocks`` belong to the cache, not to it."""
+    ``shared_blocks`` of the request's ``num_blocks`` belong to the cache, not to it;
+    ``load_ms`` is the time to load the part of its prefix that came back from the CPU KV
+    tier (``kvcache.CpuKvTier``), paid by the step that runs its prefill."""
 
     request_id: int
     prompt_tokens: int
@@ -142,6 +144,7 @@ class Request:
     prefix_group: int | None = None
     prefix_tokens: int = 0
     shared_blocks: int = 0
+    load_ms: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -297,13 +300,16 @@ class Scheduler:
 
     def _use_cached_prefix(self, request: Request) -> None:
         """At admission of a request with nothing computed: take the cached blocks of its prefix
-        group as computed (V1 recomputes at least the prompt's last token)."""
+        group as computed (V1 recomputes at least the prompt's last token), after loading what
+        the CPU KV tier holds of it beyond the GPU cache (with ``--kv-offloading-size``)."""
         pool = self.pool
-        hit = min(
-            pool.prefix_hit_blocks(request.prefix_group),
+        want = min(
             request.prefix_tokens // pool.block_size,
             (request.prompt_tokens + request.num_generated - 1) // pool.block_size,
         )
+        if pool.cpu is not None:
+            request.load_ms += pool.load_offloaded(request.prefix_group, want)
+        hit = min(pool.prefix_hit_blocks(request.prefix_group), want)
         if hit > 0:
             pool.use_prefix(request.prefix_group)
             request.num_computed = hit * pool.block_size

@@ -18,7 +18,13 @@ from servematrix.engine.architecture import Architecture, load_architecture, shi
 from servematrix.engine.hardware import DEFAULT_GPU, gpu_spec
 from servematrix.engine.host import NO_HOST_COST, HostCost, WithHostCost, host_cost
 from servematrix.engine.instance import EngineInstance, Jitter
-from servematrix.engine.kvcache import BlockPool, KvMemoryPlan, plan_kv_memory
+from servematrix.engine.kvcache import (
+    BlockPool,
+    KvMemoryPlan,
+    KvOffload,
+    kv_offload,
+    plan_kv_memory,
+)
 from servematrix.engine.roofline import (
     V0_TP_STEP_BROADCAST_MS,
     RooflineStepTime,
@@ -54,6 +60,8 @@ class EngineSetup:
     kv: KvMemoryPlan
     jitter_cv: float
     straggler_probability: float
+    kv_offload: KvOffload | None = None
+    """The host KV tier of ``--kv-offloading-size`` (None: off)."""
 
     @property
     def step_time_fallback_record(self) -> dict[str, str] | None:
@@ -71,7 +79,10 @@ class EngineSetup:
         host = self.host
         return EngineInstance(
             Scheduler(
-                self.scheduler, BlockPool(self.kv.num_blocks, watermark=self.scheduler.watermark)
+                self.scheduler,
+                BlockPool(
+                    self.kv.num_blocks, watermark=self.scheduler.watermark, offload=self.kv_offload
+                ),
             ),
             self.step_time,
             Jitter(
@@ -96,6 +107,7 @@ def build_engine_setup(
     gpu: str = DEFAULT_GPU,
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int | None = None,
+    kv_offloading_gib: float | None = None,
     enforce_eager: bool = False,
     prefix_caching: bool | None = None,
     jitter_cv: float = DEFAULT_JITTER_CV,
@@ -107,7 +119,8 @@ def build_engine_setup(
 
     ``architecture`` is a shipped architecture's name or one already loaded (a user's
     ``config.json``); ``chunked_prefill`` None keeps the recipe's default; ``max_num_seqs`` and
-    ``max_num_batched_tokens`` None keep vLLM's defaults; ``prefix_caching`` is
+    ``max_num_batched_tokens`` None keep vLLM's defaults; ``kv_offloading_gib`` is
+    ``--kv-offloading-size`` (native CPU offloading; None: off); ``prefix_caching`` is
     ``--[no-]enable-prefix-caching`` (None: the recipe's default, on in V1, off in 0.6);
     ``step_time`` replaces the step-time model (tests); ``model_label`` names the model in
     start-up errors (default: the architecture and quantization).
@@ -152,6 +165,7 @@ def build_engine_setup(
         kv,
         float(jitter_cv),
         float(straggler_probability),
+        kv_offload(kv, spec, tensor_parallel, kv_offloading_gib) if kv_offloading_gib else None,
     )
 
 
