@@ -458,7 +458,7 @@ def _run_instance(
             if arrival_at[i] > clock:
                 clock = arrival_at[i]
         while arrival_at[i] <= clock:
-            instance.add_request(arrivals[i][1])
+            instance.add_request(arrivals[i][1], (clock - arrival_at[i]) * 1e3)
             i += 1
         run = instance.decode_run(arrival_at[i] - clock)
         if run is not None:
@@ -498,6 +498,7 @@ def _run_capped(
     events: list[tuple[float, int, int, Any]] = []
     seq = 0
     busy = [False] * len(instances)
+    busy_until = [0.0] * len(instances)  # when a busy instance's step (or run) ends
     free, k, now = cap, 0, 0.0
     # Least time from an event of each kind to an arrival at some instance: a decode run may
     # go on until the earliest of them.
@@ -523,7 +524,7 @@ def _run_capped(
                     done_at, payload = now + result.duration_s, (now, result)
                 heapq.heappush(events, (done_at, seq, _STEP_DONE, (index, payload)))
                 seq += 1
-                busy[index] = True
+                busy[index], busy_until[index] = True, done_at
             if not events:
                 return sent
             now = events[0][0]
@@ -535,7 +536,8 @@ def _run_capped(
                     heapq.heappush(events, (now + hop_out_s, seq, _SLOT_FREE, None))
                     seq += 1
                 else:
-                    instances[index].add_request(request)
+                    waited_ms = (busy_until[index] - now) * 1e3 if busy[index] else 0.0
+                    instances[index].add_request(request, waited_ms)
             elif kind == _SLOT_FREE:
                 free += 1
             else:
