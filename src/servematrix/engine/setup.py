@@ -29,6 +29,7 @@ from servematrix.engine.roofline import (
     V0_TP_STEP_BROADCAST_MS,
     RooflineStepTime,
     eager_launch_ms,
+    v1_graph_max_tokens,
     weight_bytes,
 )
 from servematrix.engine.scheduler import Scheduler, SchedulerConfig, scheduler_config
@@ -148,8 +149,13 @@ def build_engine_setup(
     if step_time is not None:
         choice = StepTimeChoice(step_time, f"given ({type(step_time).__name__})")
     else:
+        graph_max = (
+            v1_graph_max_tokens(sched.max_num_seqs, sched.max_num_batched_tokens)
+            if recipe == "v1"
+            else None
+        )
         choice = step_time_model(
-            arch, spec.name, tensor_parallel, quantization, recipe, enforce_eager
+            arch, spec.name, tensor_parallel, quantization, recipe, enforce_eager, graph_max
         )
         if choice.fallback is not None:
             warn_fallback(
@@ -191,11 +197,20 @@ def warn_fallback(
 
 
 def step_time_model(
-    arch: Architecture, gpu: str, tp: int, quantization: str, recipe: str, enforce_eager: bool
+    arch: Architecture,
+    gpu: str,
+    tp: int,
+    quantization: str,
+    recipe: str,
+    enforce_eager: bool,
+    graph_max_tokens: int | None = None,
 ) -> StepTimeChoice:
     """The GPU step (below) plus the recipe's host-side cost per step
-    (``servematrix.engine.host``)."""
-    choice = _gpu_step_time_model(arch, gpu, tp, quantization, recipe, enforce_eager)
+    (``servematrix.engine.host``); ``graph_max_tokens`` is V1's largest graphed step (the
+    roofline's launch cost; None: V0's rule)."""
+    choice = _gpu_step_time_model(
+        arch, gpu, tp, quantization, recipe, enforce_eager, graph_max_tokens
+    )
     cost = host_cost(recipe, enforce_eager)
     if cost == NO_HOST_COST:
         return choice
@@ -204,7 +219,13 @@ def step_time_model(
 
 
 def _gpu_step_time_model(
-    arch: Architecture, gpu: str, tp: int, quantization: str, recipe: str, enforce_eager: bool
+    arch: Architecture,
+    gpu: str,
+    tp: int,
+    quantization: str,
+    recipe: str,
+    enforce_eager: bool,
+    graph_max_tokens: int | None,
 ) -> StepTimeChoice:
     """aiconfigurator's measured table where it covers the setup, else the roofline; both with
     the serving flags (``--enforce-eager``) and V0's per-step TP broadcast."""
@@ -212,7 +233,13 @@ def _gpu_step_time_model(
 
     def roofline(arch: Architecture, gpu_name: str, tp_: int, quantization: str) -> StepTimeModel:
         return RooflineStepTime(
-            arch, gpu_spec(gpu_name), tp_, quantization, enforce_eager=enforce_eager, v0_engine=v0
+            arch,
+            gpu_spec(gpu_name),
+            tp_,
+            quantization,
+            enforce_eager=enforce_eager,
+            v0_engine=v0,
+            graph_max_tokens=graph_max_tokens,
         )
 
     if not _shipped(arch):
