@@ -154,9 +154,8 @@ def build_engine_setup(
             if recipe == "v1"
             else None
         )
-        choice = step_time_model(
-            arch, spec.name, tensor_parallel, quantization, recipe, enforce_eager, graph_max
-        )
+        flags = StepFlags(recipe, enforce_eager, graph_max)
+        choice = step_time_model(arch, spec.name, tensor_parallel, quantization, flags)
         if choice.fallback is not None:
             warn_fallback(
                 model_label or arch.name, spec.name, tensor_parallel, quantization, choice.fallback
@@ -196,40 +195,36 @@ def warn_fallback(
     )
 
 
+@dataclass(frozen=True)
+class StepFlags:
+    """What of the serving setup changes a step's time: the recipe, ``--enforce-eager``, and
+    V1's largest step under CUDA graphs (`roofline.v1_graph_max_tokens`; None: V0's rule)."""
+
+    recipe: str
+    enforce_eager: bool
+    graph_max_tokens: int | None = None
+
+
 def step_time_model(
-    arch: Architecture,
-    gpu: str,
-    tp: int,
-    quantization: str,
-    recipe: str,
-    enforce_eager: bool,
-    graph_max_tokens: int | None = None,
+    arch: Architecture, gpu: str, tp: int, quantization: str, flags: StepFlags
 ) -> StepTimeChoice:
     """The GPU step (below) plus the recipe's host-side cost per step
-    (``servematrix.engine.host``); ``graph_max_tokens`` is V1's largest graphed step (the
-    roofline's launch cost; None: V0's rule)."""
-    choice = _gpu_step_time_model(
-        arch, gpu, tp, quantization, recipe, enforce_eager, graph_max_tokens
-    )
-    cost = host_cost(recipe, enforce_eager)
+    (``servematrix.engine.host``)."""
+    choice = _gpu_step_time_model(arch, gpu, tp, quantization, flags)
+    cost = host_cost(flags.recipe, flags.enforce_eager)
     if cost == NO_HOST_COST:
         return choice
-    label = f"{choice.label} + {recipe} host ({cost.label})"
+    label = f"{choice.label} + {flags.recipe} host ({cost.label})"
     return replace(choice, model=WithHostCost(choice.model, cost), label=label)
 
 
 def _gpu_step_time_model(
-    arch: Architecture,
-    gpu: str,
-    tp: int,
-    quantization: str,
-    recipe: str,
-    enforce_eager: bool,
-    graph_max_tokens: int | None,
+    arch: Architecture, gpu: str, tp: int, quantization: str, flags: StepFlags
 ) -> StepTimeChoice:
     """aiconfigurator's measured table where it covers the setup, else the roofline; both with
     the serving flags (``--enforce-eager``) and V0's per-step TP broadcast."""
-    v0 = recipe == "v0"
+    enforce_eager = flags.enforce_eager
+    v0 = flags.recipe == "v0"
 
     def roofline(arch: Architecture, gpu_name: str, tp_: int, quantization: str) -> StepTimeModel:
         return RooflineStepTime(
@@ -239,7 +234,7 @@ def _gpu_step_time_model(
             quantization,
             enforce_eager=enforce_eager,
             v0_engine=v0,
-            graph_max_tokens=graph_max_tokens,
+            graph_max_tokens=flags.graph_max_tokens,
         )
 
     if not _shipped(arch):
