@@ -740,6 +740,7 @@ class _Disaggregated:
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._prefill_busy = False
+        self._prefill_until = 0.0  # when the prefill instance's step ends, while it is busy
         self._decode_busy = False
         self._link_event_at = inf
         # 1-token response + new request through the decode instance's API server, its serial
@@ -897,7 +898,7 @@ class _Disaggregated:
                 next_event = arrivals[i][0]
                 if events and events[0][0] < next_event:
                     next_event = events[0][0]
-                self._start(prefill, _PREFILL_DONE, now, next_event)
+                self._prefill_until = self._start(prefill, _PREFILL_DONE, now, next_event)
                 self._set_prefill_busy(now, True)
             if not self._decode_busy and decode.has_work():
                 # A waiting request rules out a decode run: no horizon needed then.
@@ -932,7 +933,7 @@ class _Disaggregated:
         def on_arrive(now: float, request_id: int) -> None:
             request = copies[request_id - first]
             if request is not None:  # a refused one reaches no engine
-                add(request)
+                add(request, (self._prefill_until - now) * 1e3 if self._prefill_busy else 0.0)
 
         i = 0
         while True:
@@ -977,7 +978,7 @@ class _Disaggregated:
                 # with their first token) nor receives KV.
                 result = prefill.step()
                 self._push(now + result.duration_s, _PREFILL_DONE, (now, result))
-                self._prefill_busy = True
+                self._prefill_busy, self._prefill_until = True, now + result.duration_s
         return up
 
     def _run_decoder(self, up: _Upstream) -> None:
@@ -1036,13 +1037,14 @@ class _Disaggregated:
 
     def _start(
         self, instance: EngineInstance, done_kind: int, now: float, next_event: float
-    ) -> None:
+    ) -> float:
         """Start an idle instance that has work: a run of pure decodes up to the next event
-        (which could change its batch) when it can, else one step; queue its completion."""
+        (which could change its batch) when it can, else one step; queue its completion and
+        return its time (inf for a V0 receive, whose end depends on the producer)."""
         run = instance.decode_run(next_event - now)
         if run is not None:
             self._push(now + run.step_ends_s[-1], done_kind, (now, run))
-            return
+            return now + run.step_ends_s[-1]
         result = instance.step()
         if result.num_received:
             awaiting = self._awaiting_receive
@@ -1059,8 +1061,9 @@ class _Disaggregated:
             released = math.fsum(entry[k] for k in received)
             self._receive = _ReceiveStep(now, result, receives, released)
             self._schedule_receive()
-        else:
-            self._push(now + result.duration_s, done_kind, (now, result))
+            return inf
+        self._push(now + result.duration_s, done_kind, (now, result))
+        return now + result.duration_s
 
     def _set_prefill_busy(self, now: float, busy: bool) -> None:
         """The producer starts or ends a step: a receive in flight does its work up to now
@@ -1131,7 +1134,8 @@ class _Disaggregated:
             if self._sent:  # a concurrency cap: the slot frees when the answer is back
                 self._push(now + self._hop_in_s, _SLOT_FREED, None)
             return
-        self.prefill.add_request(self.requests.new(request_id, 1))
+        waited_ms = (self._prefill_until - now) * 1e3 if self._prefill_busy else 0.0
+        self.prefill.add_request(self.requests.new(request_id, 1), waited_ms)
 
     def _on_prefill_done(self, now: float, payload: tuple[float, StepResult]) -> None:
         self._set_prefill_busy(now, False)
