@@ -617,6 +617,7 @@ class Point:
     set_name: str  # "calibration" | "validation"
     source: str
     regime: str
+    gpu: str
     label: str
     metric: str
     published: float
@@ -653,6 +654,7 @@ def calibration_points(runs: Sequence[Sequence[Comparison]]) -> list[Point]:
                     "calibration",
                     f"mooncake-{row.doc}",
                     calibration_regime(row),
+                    GPU,
                     row.label,
                     metric,
                     row.metrics_ms[metric],
@@ -681,7 +683,16 @@ def validation_points(
         for metric, published in run.published.items():
             predicted = tuple(prediction[metric] for prediction in predictions)
             points.append(
-                Point(set_name, run.source, run.regime, run.label, metric, published, predicted)
+                Point(
+                    set_name,
+                    run.source,
+                    run.regime,
+                    run.gpu,
+                    run.label,
+                    metric,
+                    published,
+                    predicted,
+                )
             )
     return points, skipped
 
@@ -724,6 +735,39 @@ def format_breakdown(points: Sequence[Point], seeds: int, title: str) -> list[st
             f"{name:<52} {_share_text(subset, seeds)}  ratio median {median:.2f} "
             f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]"
         )
+    return lines
+
+
+def mape_percent(points: Sequence[Point]) -> float:
+    """Mean absolute percentage error of the seed-0 predictions."""
+    return 100 * statistics.fmean(abs(p.ratio - 1) for p in points)
+
+
+def format_mape(points: Sequence[Point], title: str) -> list[str]:
+    """MAPE and in-band share per regime and GPU, overall and per metric (seed 0): the table
+    the issue compares with the best published simulator's figures."""
+    low, high = BAND
+    lines = [
+        f"== {title}: MAPE and share of ratios within {low}-{high} per regime and GPU (seed 0)"
+    ]
+    lines.append(
+        f"{'regime':<10} {'gpu':<16} {'metric':<26} {'values':>6} {'in band':>8} {'MAPE':>8}"
+    )
+    groups: dict[tuple[str, str], list[Point]] = {}
+    for point in points:
+        groups.setdefault((point.regime, point.gpu), []).append(point)
+    for (regime, gpu), subset in sorted(
+        groups.items(), key=lambda item: (REGIMES.index(item[0][0]), item[0][1])
+    ):
+        by_metric: dict[str, list[Point]] = {"all": subset}
+        for point in subset:
+            by_metric.setdefault(point.metric, []).append(point)
+        for metric, group in by_metric.items():
+            inside, total = _share(group)
+            lines.append(
+                f"{regime:<10} {gpu:<16} {metric:<26} {total:>6} {100 * inside / total:>7.1f}% "
+                f"{mape_percent(group):>7.1f}%"
+            )
     return lines
 
 
@@ -848,6 +892,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         calibration += qwen2
         points += calibration
         blocks.append(format_breakdown(calibration, args.seeds, "CALIBRATION"))
+        blocks.append(format_mape(calibration, "CALIBRATION"))
     if args.set in ("validation", "both"):
         validation, skipped = validation_points(load_validation(), args.seeds)
         points += validation
@@ -855,6 +900,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         title = "VALIDATION values (never used to fit or choose a model variant)"
         blocks.append(format_values(validation, skipped, args.seeds, title))
         blocks.append(format_breakdown(validation, args.seeds, "VALIDATION"))
+        blocks.append(format_mape(validation, "VALIDATION"))
     print("\n\n".join("\n".join(block) for block in blocks))
     if args.csv:
         write_points_csv(points, args.csv)

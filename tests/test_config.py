@@ -176,8 +176,9 @@ WORKLOAD_ERRORS = [
         "config error at defaults.dataset_path: the random dataset reads no file",
     ),
     (
-        {"defaults.prefix_len": 10},
-        "config error at defaults.prefix_len: applies to the sonnet dataset only",
+        {"defaults.prefix_groups": 2},
+        "config error at defaults.prefix_groups: applies to the random dataset with a prefix_len "
+        "only",
     ),
     (
         {"studies.sizes.workload": {"range_ratio": 0.9}},

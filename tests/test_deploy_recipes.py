@@ -305,3 +305,39 @@ def test_engine_kv_settings_reach_the_command_lines(default_config):
     assert kv.endswith('"kv_buffer_size":4e9}')
     assert json.loads(prefill.env["SERVEMATRIX_EMULATOR_KV_LINK"]) == {"nic_gb_s": 12.5}
     assert "SERVEMATRIX_EMULATOR_KV_LINK" not in plan(cell, "vllm").processes[1].env
+
+
+def test_max_num_seqs_reaches_every_server_and_the_emulator(default_config):
+    raw = {**default_config, "defaults": {**default_config["defaults"], "max_num_seqs": 48}}
+    for backend in ("vllm", "emulator"):
+        cell = find_cell(config.load({**raw, "backend": backend}), "Qwen2.5-72B-Instruct",
+                         "mooncake-rdma", "v1")  # fmt: skip
+        servers = [p for p in plan(cell).processes if p.name != "proxy"]
+        for server in servers:
+            at = server.argv.index("--max-num-seqs")
+            assert server.argv[at + 1] == "48", (backend, server.name)
+    default = _cell(default_config, "Qwen2.5-72B-Instruct", "single", "v1")
+    assert "--max-num-seqs" not in plan(default).processes[0].argv
+    assert "max_num_seqs" not in default.to_dict()["serving"]
+
+
+def test_kv_offloading_reaches_v1_servers_and_is_refused_where_it_is_not_modelled(default_config):
+    def study(recipe: str, mode: str) -> dict:
+        workload = {"kv_offloading_size": 16}
+        return {"recipe": recipe, "models": ["Qwen2.5-72B-Instruct"], "modes": [mode],
+                "qps": [2], "input_len": [1024], "workload": workload}  # fmt: skip
+
+    raw = {**default_config, "studies": {"offload": study("v1", "nondisagg")}}
+    for backend in ("vllm", "emulator"):
+        cell = find_cell(config.load({**raw, "backend": backend}), "Qwen2.5-72B-Instruct",
+                         "nondisagg", "v1")  # fmt: skip
+        for server in [p for p in plan(cell).processes if p.name != "proxy"]:
+            at = server.argv.index("--kv-offloading-size")
+            assert server.argv[at : at + 4] == ("--kv-offloading-size", "16",
+                                                "--kv-offloading-backend", "native")  # fmt: skip
+    refused = (("v0", "nondisagg", "needs recipe v1"), ("v1", "mooncake-rdma", "disaggregated"))
+    for recipe, mode, message in refused:
+        with pytest.raises(config.ConfigError) as error:
+            config.load({**raw, "studies": {"offload": study(recipe, mode)}})
+        assert error.value.key_path == "studies.offload.workload.kv_offloading_size"
+        assert message in str(error.value)

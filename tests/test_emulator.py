@@ -35,6 +35,7 @@ def test_every_vllm_serve_flag_the_recipes_use_is_accepted():
             "--quantization", "awq", "--max-num-seqs", "128",
             "--max-num-batched-tokens", "16384", "--enforce-eager", "--seed", "3",
             "--served-model-name", "a", "b",
+            "--kv-offloading-size", "16", "--kv-offloading-backend", "native",
             "--kv-transfer-config",
             '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}',
         ]
@@ -44,6 +45,7 @@ def test_every_vllm_serve_flag_the_recipes_use_is_accepted():
     assert args.enable_chunked_prefill is False and args.enable_prefix_caching is False
     assert args.kv_transfer_config["kv_role"] == "kv_producer"
     assert args.served_model_name == ["a", "b"] and args.enforce_eager and args.seed == 3
+    assert args.kv_offloading_size == 16.0 and args.kv_offloading_backend == "native"
     assert parse_args(["serve", "m", "--enable-chunked-prefill"]).enable_chunked_prefill is True
     assert parse_args(["serve", "m"]).enable_chunked_prefill is None
 

@@ -110,6 +110,23 @@ def test_the_api_server_hands_requests_over_while_the_engine_steps():
     assert len(inst.scheduler.running) == 6
 
 
+def test_a_request_reaching_an_idle_api_server_mid_step_joins_the_next_step():
+    """vLLM's API server starts on a request when it arrives: one that arrived 10 ms before the
+    step ends (its 4 ms of input work done by then) joins the next step; one that arrived 2 ms
+    before waits for the step after; without ``waited_ms`` it waits too."""
+    for waited_ms, joins_next in ((10.0, True), (2.0, False), (0.0, False)):
+        inst = fronted(4.0)
+        inst.add_request(Request(0, 100, 5))
+        inst.step()  # a 110 ms prefill: the API server idles for most of it
+        late = Request(1, 50, 2)
+        inst.add_request(late, waited_ms)
+        step = inst.step()
+        assert (late in step.emitted) is joins_next, waited_ms
+        while inst.has_work():
+            inst.step()
+        assert late.num_generated == 2
+
+
 def test_decode_runs_hand_requests_over_as_single_steps_do():
     """The simulator's driver: arrivals join at their time, runs stop at the next arrival."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from servematrix.engine.kvcache import BlockPool
+from servematrix.engine.kvcache import BlockPool, KvOffload
 from servematrix.engine.scheduler import Request, Scheduler, SchedulerConfig, scheduler_config
 
 
@@ -163,9 +163,9 @@ def test_request_larger_than_the_pool_is_rejected():
 # --- Automatic prefix caching (V1) -------------------------------------------------------------
 
 
-def cached(budget=2048, blocks=10_000, caching=True) -> Scheduler:
+def cached(budget=2048, blocks=10_000, caching=True, offload=None) -> Scheduler:
     config = SchedulerConfig("decode_first", True, budget, 256, 0.0, True, prefix_caching=caching)
-    return Scheduler(config, BlockPool(blocks))
+    return Scheduler(config, BlockPool(blocks, offload=offload))
 
 
 def run_to_end(scheduler: Scheduler) -> None:
@@ -296,3 +296,30 @@ def test_eviction_takes_the_least_recently_used_segment_first():
     s.add(Request(4, 150, 1))  # 10 blocks: evicts key 2 only
     s.schedule()
     assert list(s.pool.cached_blocks) == [3, 1] and conserved(s)
+
+
+def test_a_prefix_the_gpu_evicted_is_loaded_back_from_the_cpu_tier():
+    """--kv-offloading-size: the evicted prefix's 20 blocks come back from host memory (their
+    load time on the request) instead of being recomputed; without the tier they are not."""
+    for offload, new_tokens, load_ms in ((None, 330, 0.0), (KvOffload(64, 0.05), 10, 1.0)):
+        s = cached(blocks=30, offload=offload)
+        s.add(Request(0, 320, 1, prefix_chain=(3,), prefix_tokens=320))
+        run_to_end(s)
+        s.add(Request(1, 400, 2))  # 25 blocks: evicts the unused prefix from the GPU
+        run_to_end(s)
+        assert not s.pool.cached_blocks
+        again = Request(2, 330, 2, prefix_chain=(3,), prefix_tokens=320)
+        s.add(again)
+        assert s.schedule().new_tokens == [new_tokens]
+        assert again.load_ms == pytest.approx(load_ms)
+        run_to_end(s)
+        assert conserved(s)
+
+
+def test_the_cpu_tier_keeps_the_most_recently_used_prefixes_it_has_room_for():
+    s = cached(offload=KvOffload(40, 0.05))
+    for group in (1, 2, 3):  # 20 blocks each: the tier holds two
+        s.add(Request(group, 320, 1, prefix_chain=(group,), prefix_tokens=320))
+        run_to_end(s)
+    assert dict(s.pool.cpu.blocks) == {2: 20, 3: 20}
+    assert s.pool.reset_prefix_cache() and not s.pool.cpu.blocks

@@ -149,6 +149,32 @@ def test_a_prompt_is_one_segment_per_full_block_keyed_by_its_chain():
     assert request_fields([0, 1, 2], block_size=4) == {}  # shorter than a block
 
 
+def test_shared_system_prompts_have_their_own_path_and_hit_the_cache(small_config):
+    """Random prompts that start with one of four 512-token system prompts: a cell path of
+    their own, and with caching each system prompt is computed about once."""
+    import copy
+
+    shared = {"prefix_len": 512, "prefix_groups": 4}
+    off, on = (cells(copy.deepcopy(small_config), "v1", c, **shared)[0] for c in (False, True))
+    plain = cells(copy.deepcopy(small_config), "v1", False)[0]
+    assert off.path == plain.path.replace(".parquet", "_p512_g4.parquet")
+    assert "prefix_groups" not in plain.to_dict()["workload"]  # parameters as before
+    assert Cell.from_dict(on.to_dict()) == on
+    mean_on, mean_off = ttft_ms(simulate(on).records).mean(), ttft_ms(simulate(off).records).mean()
+    assert mean_on < 0.8 * mean_off
+
+
+def test_prefix_groups_need_random_prompts_with_a_prefix(small_config, tmp_path):
+    import copy
+
+    for workload in ({"prefix_groups": 2}, {"dataset": "sonnet", "prefix_len": 600,
+                     "dataset_path": sonnet_file(tmp_path), "prefix_groups": 2}):  # fmt: skip
+        with pytest.raises(config.ConfigError) as error:
+            cells(copy.deepcopy(small_config), "v1", False, **workload)
+        assert error.value.key_path == "studies.apc.workload.prefix_groups"
+        assert "random dataset with a prefix_len" in str(error.value)
+
+
 # The emulator as a real process (tests/test_emulator_e2e.py's helpers).
 
 

@@ -137,6 +137,36 @@ def test_max_num_batched_tokens_override_reaches_the_scheduler():
         simulate(unchunked)
 
 
+def test_max_num_seqs_caps_the_running_batch():
+    """--max-num-seqs 4: at most four requests decode at once, so a burst of 16 queues and its
+    TTFTs spread over four admission waves, where the default (256) runs all 16 together."""
+    burst = dataclasses.replace(
+        cell("single", "v1", qps=float("inf"), n=16),
+        workload=Workload(float("inf"), 128, 100, 16, 0, "random", 1.0, 0),
+    )
+    capped = dataclasses.replace(burst, serving=Serving(10_000, 0.8, max_num_seqs=4))
+    result = simulate(capped)
+    assert result.engine_parameters["scheduler"]["max_num_seqs"] == 4
+    assert ttft_ms(result).max() > 3 * ttft_ms(simulate(burst)).max()
+
+
+def test_cpu_kv_offloading_serves_system_prompts_the_gpu_cache_cannot_hold():
+    """200 system prompts of 2,048 tokens (23 GB of KV) against a 7B model's 8,945-block GPU
+    cache: with 16 GiB of CPU offloading most hits come back over PCIe instead of being
+    recomputed, so TTFT falls; 4 GiB, a fraction of the working set, thrashes and does not help."""
+    model = ModelSpec("Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b", "bf16", 1, ((0,),))
+    workload = Workload(4.0, 2560, 32, 300, 0, "random", 1.0, 1, prefix_len=2048, prefix_groups=200)
+    mean_ttft = {}
+    for size in (None, 4.0, 16.0):
+        serving = Serving(8192, 0.3, prefix_caching=True, kv_offloading_gib=size)
+        c = dataclasses.replace(
+            cell("single", "v1"), model=model, workload=workload, serving=serving
+        )
+        mean_ttft[size] = ttft_ms(simulate(c)).mean()
+    assert mean_ttft[16.0] < 0.85 * mean_ttft[None]
+    assert mean_ttft[4.0] > 0.95 * mean_ttft[None]
+
+
 def test_v0_receive_stalls_decodes_on_the_consumer():
     """A V0 receive is part of the decode instance's step: with a slow CPU chain, requests that
     are decoding when another request's KV arrives see an inter-token gap of about the receive."""

@@ -263,3 +263,19 @@ def test_sonnet_input_shorter_than_the_base_prompt_is_rejected(sonnet_file):
     assert str(caught.value) == (
         f"dataset file {sonnet_file}: input_len 8 must exceed the 13 tokens of the base prompt"
     )
+
+
+def test_random_prompts_start_with_one_of_the_shared_system_prompts():
+    w = workload(prefix_len=32, prefix_groups=3)
+    requests = build_requests(w, VOCAB)
+    heads = {tuple(r.prompt[:32]) for r in requests}
+    assert len(heads) == 3  # every request starts with one of three system prompts
+    assert all(len(r.prompt) == r.input_len == 64 for r in requests)
+    assert len({tuple(r.prompt[32:]) for r in requests}) == len(requests)  # own suffixes
+    lengths = request_lengths(w)
+    assert lengths.shared_prefix_tokens == 32
+    group_of = {head: k for k, head in enumerate(sorted(heads))}
+    by_group = [group_of[tuple(r.prompt[:32])] for r in requests]
+    # request_lengths names the same system prompt for each request as build_requests sends
+    for k, group in enumerate(lengths.prefix_groups):
+        assert by_group[k] == by_group[lengths.prefix_groups.index(group)]

@@ -77,8 +77,10 @@ class Workload:
     free slot after its scheduled time, as ``vllm bench serve --max-concurrency``.
     ``range_ratio`` spreads the random dataset's lengths uniformly over
     [len·(1−r), len·(1+r)]; ``dataset_path`` is the sonnet text or jsonl file; ``prefix_len``
-    the sonnet prompts' shared prefix in tokens. ``ignore_eos`` False lets the server stop at
-    EOS (the output length is then the model's, at most the dataset's).
+    the sonnet prompts' shared prefix in tokens, or the random prompts' system prompt (part
+    of ``input_len``), one of ``prefix_groups`` distinct ones per request. ``ignore_eos``
+    False lets the server stop at EOS (the output length is then the model's, at most the
+    dataset's).
     The mooncake dataset (``servematrix.replay``) replays ``dataset_path`` from
     ``trace_start_s``; ``trace_timing`` "timestamps" keeps its arrival pattern scaled to ``qps``,
     "qps" re-times it as the other datasets; ``input_len`` caps its inputs and
@@ -101,6 +103,7 @@ class Workload:
     trace_start_s: float = 0.0
     trace_timing: str = "timestamps"
     input_overflow: str = "drop"
+    prefix_groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,10 @@ class Serving:
     ``max_num_batched_tokens`` None keeps the recipe's default (see
     ``servematrix.engine.scheduler.scheduler_config``); ``enforce_eager`` is vLLM's
     ``--enforce-eager`` (no CUDA graphs); ``prefix_caching`` is ``--enable-prefix-caching``
-    (False: off in both recipes, for parity with the published vLLM 0.6 studies).
+    (False: off in both recipes, for parity with the published vLLM 0.6 studies);
+    ``max_num_seqs`` is ``--max-num-seqs`` (None: the recipe's default, 256, or 1024 for v1 on
+    H100/H200); ``kv_offloading_gib`` is ``--kv-offloading-size`` (vLLM's native CPU KV
+    offloading, GiB in all TP ranks; v1 only, None: off).
     """
 
     max_model_len: int
@@ -118,6 +124,8 @@ class Serving:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
     prefix_caching: bool = False
+    max_num_seqs: int | None = None
+    kv_offloading_gib: float | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,12 @@ class Cell:
         for key, default in _TRACE_DEFAULTS.items():  # the same for the mooncake dataset's
             if data["workload"][key] == default:
                 del data["workload"][key]
+        if self.serving.max_num_seqs is None:
+            del data["serving"]["max_num_seqs"]  # the same: no existing cell changes
+        if self.serving.kv_offloading_gib is None:
+            del data["serving"]["kv_offloading_gib"]
+        if self.workload.prefix_groups == 1:
+            del data["workload"]["prefix_groups"]
         return data
 
     @classmethod
@@ -231,8 +245,9 @@ def workload_token(w: Workload) -> str:
     workloads never share a path while the default paths stay as they were:
     ``_{dataset}-{file stem}`` (sonnet, jsonl, mooncake), ``_t{trace_start_s}``, ``_retimed``
     (``trace_timing: qps``), ``_trunc`` (``input_overflow: truncate``), ``_p{prefix_len}``,
-    ``_r{range_ratio}``, ``_b{burstiness}``, ``_c{max_concurrency}``, ``_w{warmup_requests}``
-    (default 1) and ``_eos`` (``ignore_eos`` off). ``qps: .inf`` is spelled ``qpsinf``.
+    ``_g{prefix_groups}``, ``_r{range_ratio}``, ``_b{burstiness}``, ``_c{max_concurrency}``,
+    ``_w{warmup_requests}`` (default 1) and ``_eos`` (``ignore_eos`` off). ``qps: .inf`` is
+    spelled ``qpsinf``.
     """
     token = (
         f"qps{format_number(w.qps)}_in{w.input_len}_out{w.output_len}_n{w.num_prompts}_s{w.seed}"
@@ -248,6 +263,8 @@ def workload_token(w: Workload) -> str:
         token += "_trunc"
     if w.prefix_len:
         token += f"_p{w.prefix_len}"
+    if w.prefix_groups != 1:
+        token += f"_g{w.prefix_groups}"
     if w.range_ratio:
         token += f"_r{format_number(w.range_ratio)}"
     if w.burstiness != 1.0:
@@ -377,6 +394,8 @@ def _study(
         settings.get("max_num_batched_tokens"),
         bool(settings.get("enforce_eager", False)),
         bool(settings.get("prefix_caching", False)),
+        settings.get("max_num_seqs"),
+        settings.get("kv_offloading_size"),
     )
     _check_workload_settings(base, data, settings)
     cells = []
@@ -400,12 +419,15 @@ def _study(
                         dataset_path=settings.get("dataset_path"),
                         prefix_len=settings["prefix_len"],
                         ignore_eos=bool(settings["ignore_eos"]),
+                        prefix_groups=settings.get("prefix_groups", 1),
                         **_trace_settings(settings),
                     )
+                    recipe = spec.recipe or data["recipe"]
+                    _check_offloading(base, data, serving, recipe, MODES[mode])
                     cells.append(
                         Cell(
                             backend=raw["backend"],
-                            recipe=spec.recipe or data["recipe"],
+                            recipe=recipe,
                             model=spec,
                             mode=MODES[mode],
                             workload=workload,
@@ -425,6 +447,25 @@ def _study(
         x=data["x"],
         cells=tuple(cells),
     )
+
+
+def _check_offloading(
+    base: str, data: Mapping[str, Any], serving: Serving, recipe: str, mode: ModeSpec
+) -> None:
+    """CPU KV offloading is a V1 flag (vLLM 0.6 has none); with a disaggregated mode it would
+    need a second KV connector beside Mooncake's, which the engine does not model."""
+    if serving.kv_offloading_gib is None:
+        return
+    key = "kv_offloading_size"
+    where = f"{base}.workload.{key}" if key in data.get("workload", {}) else f"defaults.{key}"
+    if recipe != "v1":
+        raise ConfigError(where, f"needs recipe v1 (vLLM 0.6, recipe {recipe}, has no such flag)")
+    if mode.disaggregated:
+        raise ConfigError(
+            where,
+            f"is not modelled with the disaggregated mode {mode.name!r} (single-instance "
+            "and round-robin modes only)",
+        )
 
 
 def seeds(settings: Mapping[str, Any]) -> range:
@@ -453,8 +494,14 @@ def _check_workload_settings(
             raise ConfigError(where("dataset_path"), f"dataset file {path} does not exist")
         if settings["range_ratio"]:
             raise ConfigError(where("range_ratio"), "applies to the random dataset only")
-    if settings["prefix_len"] and dataset != "sonnet":
-        raise ConfigError(where("prefix_len"), "applies to the sonnet dataset only")
+    if settings["prefix_len"] and dataset not in ("sonnet", "random"):
+        raise ConfigError(where("prefix_len"), "applies to the sonnet and random datasets only")
+    if settings.get("prefix_groups", 1) != 1 and not (
+        dataset == "random" and settings["prefix_len"]
+    ):
+        raise ConfigError(
+            where("prefix_groups"), "applies to the random dataset with a prefix_len only"
+        )
     trace_keys = [key for key in _TRACE_KEYS if key in settings]
     if dataset != "mooncake" and trace_keys:
         raise ConfigError(where(trace_keys[0]), "applies to the mooncake dataset only")
@@ -506,11 +553,11 @@ def _check_fits(base: str, settings: Mapping[str, Any], input_len: int) -> None:
     ratio = settings["range_ratio"]
     longest_in = math.ceil(input_len * (1 + ratio))
     longest_out = math.ceil(settings["output_len"] * (1 + ratio))
-    if settings["prefix_len"] >= input_len:
+    if settings["prefix_len"] >= math.floor(input_len * (1 - ratio)):
         raise ConfigError(
             f"{base}.input_len",
-            f"input {input_len} must be longer than the shared prefix "
-            f"(prefix_len {settings['prefix_len']})",
+            f"input {input_len}{' at its shortest' if ratio else ''} must be longer than the "
+            f"shared prefix (prefix_len {settings['prefix_len']})",
         )
     if longest_in + longest_out > settings["max_model_len"]:
         spread = f" (range_ratio {ratio:g})" if ratio else ""

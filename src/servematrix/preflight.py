@@ -165,8 +165,7 @@ def warn_step_time_fallbacks(cfg: Config) -> None:
             continue
         seen.add(key)
         arch = load_architecture(m.architecture)
-        choice = step_time_model(
-            arch, gpu, m.tensor_parallel, m.quantization, cell.recipe, cell.serving.enforce_eager
-        )
+        flags = EngineFlags.of_cell(cell)
+        choice = step_time_model(arch, flags, flags.scheduler())
         if choice.fallback is not None:
             warn_fallback(m.hf_id, gpu, m.tensor_parallel, m.quantization, choice.fallback)

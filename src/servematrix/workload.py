@@ -66,6 +66,9 @@ _APPROXIMATE_TOKEN = re.compile(r"[^\W\d_]+|\d|[^\w\s]|_|\n")
 
 # Independent streams of one seed: lengths, output lengths and token ids never share draws.
 _INPUT_STREAM, _OUTPUT_STREAM, _IDS_STREAM = 0, 1, 2
+_GROUP_STREAM, _PREFIX_STREAM = 3, 4
+"""Random prompts with shared system prompts: which one each request starts with, and their
+tokens (streams of their own, so prompts without a shared prefix stay as they were)."""
 
 
 class WorkloadError(ValueError):
@@ -95,7 +98,9 @@ class RequestLengths:
 
     ``text_prompt`` tells which prompts are text, not token ids (empty: none are);
     ``shared_prefix_tokens`` is how many tokens every prompt starts with in common (the sonnet
-    dataset's chat-template head, base prompt and prefix lines; 0: none, as random ids).
+    dataset's chat-template head, base prompt and prefix lines; a random prompt's system
+    prompt; 0: none, as random ids); ``prefix_groups`` which of the workload's system prompts
+    each request starts with (empty: all share the one prefix).
     ``prefix_chains`` (mooncake only) are each prompt's prefix-cache segment keys, one per
     512-token block (`replay.engine_chains`); ``trace`` its window."""
 
@@ -105,6 +110,7 @@ class RequestLengths:
     shared_prefix_tokens: int = 0
     prefix_chains: list[tuple[int, ...]] = field(default_factory=list)
     trace: replay.TraceWindow | None = None
+    prefix_groups: list[int] = field(default_factory=list)
 
 
 class TokenCounter:
@@ -232,6 +238,7 @@ class _Entry:
     prompt: list[int] | str | None
     input_len: int
     output_len: int
+    prefix_group: int = 0
 
 
 def build_requests(
@@ -261,6 +268,10 @@ def request_lengths(workload: Workload, tokenizer: TokenCounter | None = None) -
             min(entry.input_len for entry in ordered),
         )
     trace = trace_window(workload) if workload.dataset == "mooncake" else None
+    groups = []
+    if workload.dataset == "random" and workload.prefix_len:
+        shared = workload.prefix_len
+        groups = [entry.prefix_group for entry in ordered] if workload.prefix_groups > 1 else []
     return RequestLengths(
         [entry.input_len for entry in ordered],
         [entry.output_len for entry in ordered],
@@ -268,6 +279,7 @@ def request_lengths(workload: Workload, tokenizer: TokenCounter | None = None) -
         shared,
         replay.engine_chains(trace.requests) if trace else [],
         trace,
+        groups,
     )
 
 
@@ -374,6 +386,8 @@ def _token_ids(rng: np.random.Generator, vocab_size: int, lengths: Sequence[int]
 def _random(w: Workload, count: int, vocab_size: int | None) -> list[_Entry]:
     inputs = _spread(_rng(w.seed, _INPUT_STREAM), w.input_len, w.range_ratio, count)
     outputs = _spread(_rng(w.seed, _OUTPUT_STREAM), w.output_len, w.range_ratio, count)
+    if w.prefix_len:
+        return _random_with_system_prompts(w, inputs, outputs, vocab_size)
     if vocab_size is None:
         return [_Entry(None, i, o) for i, o in zip(inputs, outputs, strict=True)]
     prompts = _token_ids(_rng(w.seed, _IDS_STREAM), vocab_size, inputs)
@@ -387,6 +401,25 @@ def _mooncake(w: Workload, vocab_size: int | None) -> list[_Entry]:
         return [_Entry(None, r.input_len, o) for r, o in zip(requests, outputs, strict=True)]
     built = replay.prompts(requests, w.seed, vocab_size)
     return [_Entry(p, len(p), o) for p, o in zip(built, outputs, strict=True)]
+
+
+def _random_with_system_prompts(
+    w: Workload, inputs: list[int], outputs: list[int], vocab_size: int | None
+) -> list[_Entry]:
+    """Random prompts that start with one of ``prefix_groups`` system prompts of
+    ``prefix_len`` random tokens each (drawn uniformly per request), then random tokens up to
+    the request's input length: the shape of vLLM's ``prefix_repetition`` dataset."""
+    groups = _rng(w.seed, _GROUP_STREAM).integers(0, w.prefix_groups, len(inputs)).tolist()
+    if vocab_size is None:
+        return [_Entry(None, i, o, g) for i, o, g in zip(inputs, outputs, groups, strict=True)]
+    prefixes = _token_ids(
+        _rng(w.seed, _PREFIX_STREAM), vocab_size, [w.prefix_len] * w.prefix_groups
+    )
+    suffixes = _token_ids(_rng(w.seed, _IDS_STREAM), vocab_size, [i - w.prefix_len for i in inputs])
+    return [
+        _Entry(prefixes[g] + s, i, o, g)
+        for s, i, o, g in zip(suffixes, inputs, outputs, groups, strict=True)
+    ]
 
 
 def _dataset_file(w: Workload) -> Path:

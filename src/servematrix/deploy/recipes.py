@@ -425,6 +425,11 @@ def _server_argv(
     argv += ["--host", host]
     if cell.serving.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(cell.serving.max_num_batched_tokens)]
+    if cell.serving.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(cell.serving.max_num_seqs)]
+    if cell.serving.kv_offloading_gib is not None:
+        size = f"{cell.serving.kv_offloading_gib:g}"
+        argv += ["--kv-offloading-size", size, "--kv-offloading-backend", "native"]
     if cell.serving.enforce_eager:
         argv.append("--enforce-eager")
     if backend == "emulator":

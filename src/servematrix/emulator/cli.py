@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--max-num-seqs", type=int)
     vllm.add_argument("--max-num-batched-tokens", type=int)
     vllm.add_argument("--enforce-eager", action="store_true")
+    vllm.add_argument("--kv-offloading-size", type=float)
+    vllm.add_argument("--kv-offloading-backend", choices=("native",))
     # The published v0 launches pass these (spec §1.1); logging only, nothing to model.
     vllm.add_argument("--disable-log-stats", action="store_true")
     vllm.add_argument("--disable-log-requests", action="store_true")
@@ -246,6 +248,7 @@ def engine_setup(args: argparse.Namespace, model: ModelInfo, max_model_len: int)
             gpu=args.gpu,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
+            kv_offloading_gib=args.kv_offloading_size,
             enforce_eager=args.enforce_eager,
             prefix_caching=args.enable_prefix_caching,
             jitter_cv=args.jitter_cv,

@@ -186,7 +186,7 @@ class WallClockEngine:
         self._arrivals = [s for s in self._arrivals if s.arrival_s > start_s]
         for stream in sorted(arrived, key=lambda s: s.arrival_s):
             self._streams[stream.request.request_id] = stream
-            self.instance.add_request(stream.request)
+            self.instance.add_request(stream.request, (start_s - stream.arrival_s) * 1e3)
 
     def _release(
         self, emitted: list[Request], finished: list[Request], end_s: float, preempted: int

@@ -122,26 +122,34 @@ API server of the time the 10,000 requests took 130.74 s, 76.5 req/s, far below 
 decode for a 1B model: 13.07 ms of API-server time per request. Less its ~198 streamed tokens
 (ShareGPT's mean output in vLLM's benchmark, PR #8335: 197,521 tokens for 1,000 prompts) at
 ``alpha2`` 45.9 us: 4.0 ms per request of input work. Derived, not fitted; the split assumes the
-run was bound by the API server, which the PR's point (scale-out fixed it) implies."""
-
-V1_API_LATENCY_MS = 15.56
-"""BLIS's ``alpha0``, the API path's latency per request from arrival to the engine's queue,
-fitted on the same V1 traces (15,561.96 us); its serial part is ``V1_API_REQUEST_MS``."""
+run was bound by the API server, which the PR's point (scale-out fixed it) implies. It is the
+whole of the modelled API path: BLIS's ``alpha0`` is not used (see ``V1_HOST_COST``)."""
 
 V1_HOST_COST = HostCost(
     step_ms=0.169,
     per_seq_ms=0.0028,
     overlapped_per_seq_ms=0.0459,
     request_ms=V1_API_REQUEST_MS,
-    request_latency_ms=V1_API_LATENCY_MS - V1_API_REQUEST_MS,
 )
-"""From BLIS's vLLM latency model fitted on vLLM V1 (0.8.4 / 0.10.1) H100 serving traces
-(``inference-sim/inference-sim``, ``sim/latency/evolved_model.go``, coefficients in
-``evolved_model_test.go``): per-step overhead beta7 169.4 us and per-request scheduling beta6
-2.8 us (engine core, critical path); output-token processing alpha2 45.9 us per token
-(incremental detokenisation and streaming in the API-server process, beside the engine core).
-The API server's serial input work per request: ``V1_API_REQUEST_MS``; the rest of alpha0
-(``V1_API_LATENCY_MS``) is latency on the request path. Not fitted here."""
+"""Per-step beta7 169.4 us and per-request beta6 2.8 us (engine core, critical path) and
+per-output-token alpha2 45.9 us (detokenisation and streaming in the API-server process,
+beside the engine core), from BLIS's trained-physics fit, iteration 25: ``inference-sim/
+inference-sim``, branch ``training`` @ 0ba6f035c69815b59c311bec6f66f854b68af4d4,
+``training/iterations/iter25/inner_loop_results.json`` (copied to ``defaults.yaml`` by commit
+638a7d33 "add trained-physics model (#950)" and refit since as iter29). That fit used 15
+serving runs of inference-sim's own vLLM fork (journey and step tracing) on H100-80GB-HBM3
+(``training/trainval_data/README.md``: Llama-2-7B, Qwen2.5-7B, Mistral-Nemo-12B, Yi-34B,
+Llama-3.1-70B, Llama-4-Scout; TP 1-4), minimising RMSE of the per-run APE of mean TTFT plus
+that of mean E2E; not vLLM 0.8.4 / 0.10.1 traces, as this docstring used to say.
+
+Its ``alpha0`` (15,561.96 us, "QueueingTime", added between arrival and the engine's queue)
+is not used: it was fitted together with a prefill compute term at 0.139 x the FLOP time at
+peak (beta1a). For a 1,000-token prefill of a 7-8B model on an H100 BLIS's step is ~11 ms (2 ms
+of compute, 6.5 ms of weight streaming, 2 ms per-layer) and its TTFT at idle ~27 ms with
+alpha0; aiconfigurator's measured step alone is ~21 ms (Qwen2.5-7B, 1,024 tokens). So alpha0
+stands in for prefill time BLIS's step leaves out, and adding it to a measured prefill counted
+that time twice. The API path is ``V1_API_REQUEST_MS`` (idle TTFT 21 + 4 = 25 ms).
+Not fitted here."""
 
 
 def host_cost(recipe: str, enforce_eager: bool = False) -> HostCost:

@@ -119,8 +119,12 @@ class EngineInstance:
     request reaches the scheduler only after its turn. The API server works while the engine
     steps, in the time the step leaves it after streaming the step's tokens (``api_token_ms``
     per request in the step, the part of the step-time model's host cost that runs beside the
-    engine): a request it finishes during a step joins the next one. With nothing running, a
-    step starts with the API server handing over the next request."""
+    engine): a request it finishes during a step joins the next one. A request that reaches an
+    API server with nothing left to do starts at once: ``add_request``'s ``waited_ms`` (how
+    long before the next step it arrived) counts, up to the time the API server was idle at the
+    end of the last step, so it joins the next step when that covers its input work, as in
+    vLLM, not the one after. With nothing running, a step starts with the API server handing
+    over the next request."""
 
     def __init__(
         self,
@@ -139,21 +143,32 @@ class EngineInstance:
         self.api_token_ms = api_token_ms
         self._inbox: deque[Request] = deque()  # requests the API server has not handed over
         self._inbox_done_ms = 0.0  # API work already spent on the inbox's first request
+        self._api_idle_ms = 0.0  # the API server's idle time at the end of the last step
         self._cache: dict[tuple[tuple[tuple[int, int], ...], tuple[int, ...]], float] = {}
         # Pure-decode runs: base step times of the successive steps from a batch of contexts (a
         # fixed-length workload starts its runs from few distinct batches).
         self._decode_cache: dict[tuple[int, ...], list[float]] = {}
         self.steps = 0
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, waited_ms: float = 0.0) -> None:
         """Queue a request: through the API server when there is one, except a request that
         arrives with its prompt's KV (a disaggregated decode instance's), which passed the API
-        server before its KV was pulled (the simulator counts that on its request path)."""
+        server before its KV was pulled (the simulator counts that on its request path).
+        ``waited_ms``: how long before the next step starts the request reached the API server
+        (the driver adds arrivals between steps)."""
         if request.num_computed or not self.api_request_ms:
             self.scheduler.add(request)
-        else:
-            self.scheduler.check(request)
-            self._inbox.append(request)
+            return
+        self.scheduler.check(request)
+        if not self._inbox:  # the API server is free: it started on the request on arrival
+            done_ms = min(waited_ms, self._api_idle_ms)
+            if done_ms >= self.api_request_ms:
+                self._api_idle_ms -= self.api_request_ms
+                self.scheduler.add(request)
+                return
+            self._api_idle_ms = 0.0
+            self._inbox_done_ms = done_ms
+        self._inbox.append(request)
 
     def abort(self, request: Request) -> None:
         """Drop a request whose client went away: from the API server's inbox if it is still
@@ -216,6 +231,8 @@ class EngineInstance:
         self.steps += len(ends)
         if inbox:
             self._hand_over(spare_ms)
+        else:
+            self._api_idle_ms = max(step_ms - streaming_ms, 0.0)
         return DecodeRun(ends, requests, finished)
 
     def step(self) -> StepResult:
@@ -242,6 +259,9 @@ class EngineInstance:
         new_tokens = scheduled.new_tokens  # parallel lists (zip's strict=True costs here)
         for index, request in enumerate(scheduled.requests):
             new = new_tokens[index]
+            if request.load_ms:  # its prefix came back from the CPU KV tier before this step
+                receive_ms += request.load_ms
+                request.load_ms = 0.0
             if request.receive_ms:
                 # V0 KV consumer: the prompt's KV arrives inside the forward pass instead of
                 # being computed; only the last position's logits are left to compute.
@@ -260,14 +280,18 @@ class EngineInstance:
         emitted, finished = scheduler.complete(scheduled)
         self.steps += 1
         duration_ms = base_ms * self.jitter.factor() + receive_ms
+        spare_ms = duration_ms - self.api_token_ms * len(scheduled.requests)
         if self._inbox:
-            self._hand_over(duration_ms - self.api_token_ms * len(scheduled.requests))
+            self._hand_over(spare_ms)
+        else:
+            self._api_idle_ms = max(spare_ms, 0.0)
         duration_s = (handover_ms + duration_ms) * 1e-3
         return StepResult(duration_s, emitted, finished, len(scheduled.preempted), received)
 
     def _hand_over(self, spare_ms: float) -> None:
         """The API server spends ``spare_ms`` on its inbox, first come first served; the
         requests it finishes wait in the scheduler for the next step."""
+        self._api_idle_ms = 0.0
         if spare_ms <= 0:
             return
         done_ms = self._inbox_done_ms + spare_ms
@@ -275,7 +299,10 @@ class EngineInstance:
         while inbox and done_ms >= cost_ms:
             done_ms -= cost_ms
             self.scheduler.add(inbox.popleft())
-        self._inbox_done_ms = done_ms if inbox else 0.0
+        if inbox:
+            self._inbox_done_ms = done_ms
+        else:
+            self._inbox_done_ms, self._api_idle_ms = 0.0, done_ms
 
     def _base_ms(self, prefills: tuple[tuple[int, int], ...], decodes: tuple[int, ...]) -> float:
         """The model's step time for the batch, memoised by its shape (a plain tuple key: the

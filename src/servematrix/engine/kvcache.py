@@ -11,6 +11,7 @@ request's next tokens fit.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from servematrix.engine.architecture import Architecture
@@ -134,6 +135,65 @@ def plan_kv_memory(
     )
 
 
+HOST_COPY_EFFICIENCY = 0.8
+"""Share of the PCIe link's datasheet rate a pinned host-to-device copy reaches (approximate,
+not measured here; pinned-memory copies typically reach 75-85 %)."""
+
+
+@dataclass(frozen=True)
+class KvOffload:
+    """vLLM's native CPU KV offloading (``--kv-offloading-size``): ``capacity_blocks`` GPU-block
+    equivalents in host memory, and the time to load one block back to the GPU."""
+
+    capacity_blocks: int
+    load_ms_per_block: float
+
+
+def kv_offload(plan: KvMemoryPlan, gpu: GpuSpec, tp: int, size_gib: float) -> KvOffload:
+    """The host tier of ``size_gib`` GiB in all (vLLM: "the total buffer size summed across all
+    TP ranks"), loaded over each GPU's own PCIe link in parallel."""
+    if size_gib <= 0:
+        raise ValueError(f"--kv-offloading-size must be > 0 GiB, got {size_gib:g}")
+    block_bytes = plan.kv_bytes_per_token_per_gpu * plan.block_size_tokens
+    capacity = math.floor(size_gib * GIB / tp / block_bytes)
+    load_ms = block_bytes / (gpu.host_link_gb_s * 1e9 * HOST_COPY_EFFICIENCY) * 1e3
+    return KvOffload(capacity, load_ms)
+
+
+class CpuKvTier:
+    """The prefix blocks vLLM's native offloading keeps in host memory, per segment key of the
+    prefix cache (`BlockPool`), least recently used evicted first. Every prefix block the GPU
+    cache receives is stored here too (the connector stores each computed full block; the copy
+    runs beside the steps, so it costs no step time), so a prefix the GPU evicts can be loaded
+    back instead of recomputed."""
+
+    __slots__ = ("blocks", "capacity_blocks", "held_blocks", "load_ms_per_block")
+
+    def __init__(self, offload: KvOffload):
+        self.capacity_blocks = offload.capacity_blocks
+        self.load_ms_per_block = offload.load_ms_per_block
+        self.blocks: OrderedDict[int, int] = OrderedDict()  # segment key -> blocks held
+        self.held_blocks = 0  # sum of ``blocks``
+
+    def store(self, key: int, blocks: int) -> None:
+        held = self.blocks.pop(key, 0)
+        kept = min(max(held, blocks), self.capacity_blocks)
+        self.blocks[key] = kept
+        self.held_blocks += kept - held
+        while self.held_blocks > self.capacity_blocks:
+            self.held_blocks -= self.blocks.popitem(last=False)[1]
+
+    def hit_blocks(self, key: int) -> int:
+        held = self.blocks.get(key, 0)
+        if held:
+            self.blocks.move_to_end(key)
+        return held
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.held_blocks = 0
+
+
 class BlockPool:
     """Free-block accounting of one instance; requests hold whole blocks.
 
@@ -156,6 +216,7 @@ class BlockPool:
     __slots__ = (
         "block_size",
         "cached_blocks",
+        "cpu",
         "free_blocks",
         "min_free_blocks",
         "num_blocks",
@@ -164,7 +225,11 @@ class BlockPool:
     )
 
     def __init__(
-        self, num_blocks: int, block_size: int = BLOCK_SIZE_TOKENS, watermark: float = 0.0
+        self,
+        num_blocks: int,
+        block_size: int = BLOCK_SIZE_TOKENS,
+        watermark: float = 0.0,
+        offload: KvOffload | None = None,
     ):
         if num_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
@@ -175,6 +240,7 @@ class BlockPool:
         self.watermark_blocks = int(watermark * num_blocks)
         self.cached_blocks: dict[int, int] = {}  # segment key -> blocks the cache holds
         self.prefix_users: dict[int, int] = {}  # segment key -> requests using its blocks
+        self.cpu = CpuKvTier(offload) if offload else None
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -261,8 +327,46 @@ class BlockPool:
                 users[key] = users.get(key, 0) + 1
             add = min(full, start + segment_blocks) - shared
             cached[key] = have + add
+            if self.cpu is not None:
+                self.cpu.store(key, have + add)
             shared += add
         return shared
+
+    def load_offloaded(
+        self, chain: tuple[int, ...], segment_blocks: int, want_blocks: int
+    ) -> float:
+        """Bring the leading blocks of ``chain`` the host tier holds beyond what the GPU cache
+        holds back into the GPU cache, up to ``want_blocks`` in all; the load's time in ms (0:
+        nothing to load, or no free blocks for it)."""
+        cpu, cached, users = self.cpu, self.cached_blocks, self.prefix_users
+        if cpu is None:
+            return 0.0
+        walked, loads, hit, load = [], [], 0, 0
+        for key in chain:
+            want = min(segment_blocks, want_blocks - hit)
+            if want <= 0:
+                break
+            have = cached.get(key, 0)
+            got = max(have, min(cpu.hit_blocks(key), want))
+            walked.append(key)
+            if got > have:
+                loads.append((key, got))
+                load += got - have
+            hit += got
+            if got < want:
+                break
+        if not load:
+            return 0.0
+        pinned = [key for key in walked if key in cached]
+        for key in pinned:  # its GPU blocks stay while others are evicted for the load
+            users[key] = users.get(key, 0) + 1
+        taken = self.allocate(load)
+        for key in pinned:
+            users[key] -= 1
+        if not taken:
+            return 0.0
+        cached.update(loads)
+        return load * cpu.load_ms_per_block
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix, as vLLM's ``/reset_prefix_cache``: False, dropping nothing,
@@ -271,6 +375,8 @@ class BlockPool:
             return False
         self.free_blocks += sum(self.cached_blocks.values())
         self.cached_blocks.clear()
+        if self.cpu is not None:
+            self.cpu.clear()
         return True
 
     def _evict(self, need_free: int) -> bool:

@@ -100,7 +100,20 @@ LAYER_OVERHEAD_GRAPH_MS = 0.010
 """Per layer under CUDA graphs (decode-only steps): launch cost mostly removed (peers §2.9)."""
 
 CUDA_GRAPH_MAX_BATCH = 256
-"""vLLM captures decode graphs for batch sizes up to 256 (V0 ``_BATCH_SIZES_TO_CAPTURE``)."""
+"""V0 captures decode graphs for batch sizes up to 256 (``_BATCH_SIZES_TO_CAPTURE``); larger
+decode batches and every step with a prefill run eagerly."""
+
+V1_CUDA_GRAPH_MAX_TOKENS = 512
+"""V1 (``VllmConfig._set_cudagraph_sizes``): graphs up to ``min(2 × max_num_seqs, 512,
+max_num_batched_tokens)`` tokens, full graphs for pure decodes and piecewise ones (all but
+attention) for steps with prefill tokens too (``cudagraph_mode`` FULL_AND_PIECEWISE); a step of
+more tokens runs eagerly."""
+
+
+def v1_graph_max_tokens(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The largest step (in tokens) V1 runs under CUDA graphs."""
+    return min(2 * max_num_seqs, V1_CUDA_GRAPH_MAX_TOKENS, max_num_batched_tokens)
+
 
 ALLREDUCE_LATENCY_NVLINK_MS = 0.020
 """Small-message all-reduce on NVLink (vLLM custom all-reduce); fitted to aiconfigurator's
@@ -176,7 +189,10 @@ class RooflineStepTime:
         quantization: str = "bf16",
         enforce_eager: bool = False,
         v0_engine: bool = False,
+        graph_max_tokens: int | None = None,
     ):
+        """``graph_max_tokens``: V1's largest graphed step (`v1_graph_max_tokens`, pure decodes
+        and mixed steps alike); None: V0's rule (pure decodes up to `CUDA_GRAPH_MAX_BATCH`)."""
         if tp < 1:
             raise ValueError(f"tensor parallelism must be >= 1, got {tp}")
         quant = quantization_spec(quantization)
@@ -207,6 +223,7 @@ class RooflineStepTime:
         self._kv_ms_per_token = kv_bytes_per_token * ms_per_byte
 
         self.enforce_eager = enforce_eager
+        self._graph_max_tokens = graph_max_tokens
         if tp > 1:
             latency = allreduce_latency_ms(gpu, tp)
             # On PCIe cards interconnect_gb_s is already an effective all-reduce bandwidth.
@@ -268,7 +285,12 @@ class RooflineStepTime:
         memory_ms = self._weights_ms + self._kv_ms_per_token * (
             prefill_cached_tokens + decode_context_sum + tokens
         )
-        graphed = num_prefills == 0 and num_decodes <= CUDA_GRAPH_MAX_BATCH
+        decode_graph = num_prefills == 0 and num_decodes <= CUDA_GRAPH_MAX_BATCH
+        if self._graph_max_tokens is not None:
+            decode_graph = num_prefills == 0 and num_decodes <= self._graph_max_tokens
+            graphed = tokens <= self._graph_max_tokens
+        else:
+            graphed = decode_graph
         fixed = self._graph_fixed_ms if graphed else self._eager_fixed_ms
         ms = (
             (compute_ms if compute_ms > memory_ms else memory_ms)
@@ -277,7 +299,7 @@ class RooflineStepTime:
             + fixed
             + PER_SEQ_OVERHEAD_MS * seqs
         )
-        if graphed and self.enforce_eager:
+        if decode_graph and self.enforce_eager:
             # Eager decode: the launches overlap the GPU's work (see eager_launch_ms).
             gpu_ms = ms - self._eager_fixed_ms
             ms = max(gpu_ms + self._graph_step_fixed_ms, self._eager_fixed_ms)

@@ -134,7 +134,9 @@ class Request:
     other prompts may share (`BlockPool`'s prefix cache): ``prefix_segment_blocks`` blocks each
     (0: one segment for all of them, as the sonnet dataset's preamble); empty for a prompt that
     shares nothing (random token ids). With prefix caching, ``shared_blocks`` of the request's
-    ``num_blocks`` belong to the cache, not to it."""
+    ``num_blocks`` belong to the cache, not to it; ``load_ms`` is the time to load the part of
+    its prefix that came back from the CPU KV tier (``kvcache.CpuKvTier``), paid by the step
+    that runs its prefill."""
 
     request_id: int
     prompt_tokens: int
@@ -148,6 +150,7 @@ class Request:
     prefix_tokens: int = 0
     prefix_segment_blocks: int = 0
     shared_blocks: int = 0
+    load_ms: float = 0.0
 
     @property
     def segment_blocks(self) -> int:
@@ -311,30 +314,34 @@ class Scheduler:
 
     def _use_cached_prefix(self, request: Request) -> None:
         """At admission of a request with nothing computed: take the cached blocks of its prefix
-        chain as computed (V1 recomputes at least the prompt's last token). Counts the lookup as
-        V1's exported counters do: every lookup of a request never preempted (a preempted one's
-        are counted apart and not exported, as it would hit its own blocks again)."""
+        chain as computed (V1 recomputes at least the prompt's last token), after loading what
+        the CPU KV tier holds of it beyond the GPU cache (with ``--kv-offloading-size``). Counts
+        the lookup as V1's exported counters do: every lookup of a request never preempted (a
+        preempted one's are counted apart and not exported, as it would hit its own blocks
+        again), its hits in the GPU cache only (the offloading connector's are its own)."""
         pool = self.pool
         num_tokens = request.prompt_tokens + request.num_generated
         counted = not request.num_preemptions
         if counted:
             self.prefix_queries_tokens += num_tokens
-        if not request.prefix_chain:
+        chain = request.prefix_chain
+        if not chain:
             return
-        hit = min(
-            pool.prefix_hit_blocks(
-                request.prefix_chain,
-                request.segment_blocks,
-                request.prefix_tokens // pool.block_size,
-            ),
-            (num_tokens - 1) // pool.block_size,
-        )
+        segment_blocks = request.segment_blocks
+        prefix_blocks = request.prefix_tokens // pool.block_size
+        last = (num_tokens - 1) // pool.block_size
+        hit = local = min(pool.prefix_hit_blocks(chain, segment_blocks, prefix_blocks), last)
+        if pool.cpu is not None:
+            load_ms = pool.load_offloaded(chain, segment_blocks, min(prefix_blocks, last))
+            if load_ms:
+                request.load_ms += load_ms
+                hit = min(pool.prefix_hit_blocks(chain, segment_blocks, prefix_blocks), last)
         if hit > 0:
-            pool.use_prefix(request.prefix_chain, request.segment_blocks, hit)
+            pool.use_prefix(chain, segment_blocks, hit)
             request.num_computed = hit * pool.block_size
             request.num_blocks = request.shared_blocks = hit
-            if counted:
-                self.prefix_hits_tokens += request.num_computed
+        if counted:
+            self.prefix_hits_tokens += local * pool.block_size
 
     def _cache_computed_prefix(self, request: Request) -> None:
         """Hand the request's newly computed full prefix blocks to the cache where they extend

@@ -25,11 +25,18 @@ from servematrix.engine.architecture import Architecture, load_architecture, shi
 from servematrix.engine.hardware import DEFAULT_GPU, GpuSpec, gpu_spec
 from servematrix.engine.host import NO_HOST_COST, HostCost, WithHostCost, host_cost
 from servematrix.engine.instance import EngineInstance, Jitter
-from servematrix.engine.kvcache import BlockPool, KvMemoryPlan, plan_kv_memory
+from servematrix.engine.kvcache import (
+    BlockPool,
+    KvMemoryPlan,
+    KvOffload,
+    kv_offload,
+    plan_kv_memory,
+)
 from servematrix.engine.roofline import (
     V0_TP_STEP_BROADCAST_MS,
     RooflineStepTime,
     eager_launch_ms,
+    v1_graph_max_tokens,
     weight_bytes,
 )
 from servematrix.engine.scheduler import Scheduler, SchedulerConfig, scheduler_config
@@ -64,6 +71,8 @@ class EngineSetup:
     kv: KvMemoryPlan
     jitter_cv: float
     straggler_probability: float
+    kv_offload: KvOffload | None = None
+    """The host KV tier of ``--kv-offloading-size`` (None: off)."""
 
     @property
     def step_time_fallback_record(self) -> dict[str, str] | None:
@@ -81,7 +90,10 @@ class EngineSetup:
         host = self.host
         return EngineInstance(
             Scheduler(
-                self.scheduler, BlockPool(self.kv.num_blocks, watermark=self.scheduler.watermark)
+                self.scheduler,
+                BlockPool(
+                    self.kv.num_blocks, watermark=self.scheduler.watermark, offload=self.kv_offload
+                ),
             ),
             self.step_time,
             Jitter(
@@ -99,7 +111,8 @@ class EngineFlags:
     """The serving flags an engine is built from (vLLM's, plus the modelled GPU and jitter).
 
     ``chunked_prefill`` None keeps the recipe's default; ``max_num_seqs`` and
-    ``max_num_batched_tokens`` None keep vLLM's defaults; ``prefix_caching`` is
+    ``max_num_batched_tokens`` None keep vLLM's defaults; ``kv_offloading_gib`` is
+    ``--kv-offloading-size`` (native CPU offloading; None: off); ``prefix_caching`` is
     ``--[no-]enable-prefix-caching`` (None: the recipe's default, on in V1, off in 0.6);
     ``model_label`` names the model in start-up errors (default: the architecture and
     quantization)."""
@@ -113,6 +126,7 @@ class EngineFlags:
     gpu: str = DEFAULT_GPU
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    kv_offloading_gib: float | None = None
     enforce_eager: bool = False
     prefix_caching: bool | None = None
     jitter_cv: float = DEFAULT_JITTER_CV
@@ -132,6 +146,8 @@ class EngineFlags:
             gpu_memory_utilization=serving.gpu_memory_utilization,
             gpu=engine.get("gpu", DEFAULT_GPU),
             max_num_batched_tokens=serving.max_num_batched_tokens,
+            max_num_seqs=serving.max_num_seqs,
+            kv_offloading_gib=serving.kv_offloading_gib,
             enforce_eager=serving.enforce_eager,
             prefix_caching=serving.prefix_caching,  # as the recipes' --[no-]enable-prefix-caching
             jitter_cv=float(engine.get("jitter_cv", DEFAULT_JITTER_CV)),
@@ -203,7 +219,7 @@ def engine_setup(
     if step_time is not None:
         choice = StepTimeChoice(step_time, f"given ({type(step_time).__name__})")
     else:
-        choice = step_time_model(arch, gpu, tp, quantization, flags.recipe, flags.enforce_eager)
+        choice = step_time_model(arch, flags, plan.scheduler)
         if choice.fallback is not None:
             warn_fallback(flags.model_label or arch.name, gpu, tp, quantization, choice.fallback)
     return EngineSetup(
@@ -216,6 +232,9 @@ def engine_setup(
         plan.kv,
         float(flags.jitter_cv),
         float(flags.straggler_probability),
+        kv_offload(plan.kv, plan.gpu, tp, flags.kv_offloading_gib)
+        if flags.kv_offloading_gib
+        else None,
     )
 
 
@@ -254,28 +273,43 @@ def warn_fallback(
 
 
 def step_time_model(
-    arch: Architecture, gpu: str, tp: int, quantization: str, recipe: str, enforce_eager: bool
+    arch: Architecture, flags: EngineFlags, scheduler: SchedulerConfig
 ) -> StepTimeChoice:
     """The GPU step (below) plus the recipe's host-side cost per step
-    (``servematrix.engine.host``)."""
-    choice = _gpu_step_time_model(arch, gpu, tp, quantization, recipe, enforce_eager)
-    cost = host_cost(recipe, enforce_eager)
+    (``servematrix.engine.host``), for ``flags`` and the scheduler vLLM runs with them (V1's
+    largest step under CUDA graphs follows from its seats and token budget)."""
+    graph_max = (
+        v1_graph_max_tokens(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+        if flags.recipe == "v1"
+        else None
+    )
+    choice = _gpu_step_time_model(arch, flags, graph_max)
+    cost = host_cost(flags.recipe, flags.enforce_eager)
     if cost == NO_HOST_COST:
         return choice
-    label = f"{choice.label} + {recipe} host ({cost.label})"
+    label = f"{choice.label} + {flags.recipe} host ({cost.label})"
     return replace(choice, model=WithHostCost(choice.model, cost), label=label)
 
 
 def _gpu_step_time_model(
-    arch: Architecture, gpu: str, tp: int, quantization: str, recipe: str, enforce_eager: bool
+    arch: Architecture, flags: EngineFlags, graph_max_tokens: int | None
 ) -> StepTimeChoice:
     """aiconfigurator's measured table where it covers the setup, else the roofline; both with
-    the serving flags (``--enforce-eager``) and V0's per-step TP broadcast."""
-    v0 = recipe == "v0"
+    the serving flags (``--enforce-eager``; ``graph_max_tokens``: V1's largest step under CUDA
+    graphs, `roofline.v1_graph_max_tokens`, None: V0's rule) and V0's per-step TP broadcast."""
+    enforce_eager, tp = flags.enforce_eager, flags.tensor_parallel
+    gpu, quantization = gpu_spec(flags.gpu).name, flags.quantization
+    v0 = flags.recipe == "v0"
 
     def roofline(arch: Architecture, gpu_name: str, tp_: int, quantization: str) -> StepTimeModel:
         return RooflineStepTime(
-            arch, gpu_spec(gpu_name), tp_, quantization, enforce_eager=enforce_eager, v0_engine=v0
+            arch,
+            gpu_spec(gpu_name),
+            tp_,
+            quantization,
+            enforce_eager=enforce_eager,
+            v0_engine=v0,
+            graph_max_tokens=graph_max_tokens,
         )
 
     if not _shipped(arch):

@@ -80,6 +80,7 @@ class Disaggregated(V0Handoff, V1Handoff):
         self.slots: ClientSlots | None = None
         """The simulated client's concurrency cap, if it can hold a request back."""
         self._prefill_busy = self._decode_busy = False
+        self._prefill_until = 0.0  # when the prefill instance's step ends, while it is busy
         self._link_event_at = inf
         self._set_hops(setup)
         self._set_transfer(cell, setup, served)
@@ -239,7 +240,8 @@ class Disaggregated(V0Handoff, V1Handoff):
                 # A prefill instance never has a decode run (its requests finish with their
                 # first token) nor receives KV: one step.
                 result = prefill.step()
-                events.push(now + result.duration_s, PREFILL_DONE, (now, result))
+                self._prefill_until = now + result.duration_s
+                events.push(self._prefill_until, PREFILL_DONE, (now, result))
                 if self._receive is None:  # no V0 receive in flight to tell
                     self._prefill_busy = True
                 else:
@@ -293,7 +295,9 @@ class Disaggregated(V0Handoff, V1Handoff):
             if self.slots is not None:  # the slot frees when the answer is back
                 self.events.push(now + self._hop_in_s, SLOT_FREED, None)
             return
-        self.prefill.add_request(request)
+        # How long before the prefill step ends it reached the API server (0 if idle).
+        waited_ms = (self._prefill_until - now) * 1e3 if self._prefill_busy else 0.0
+        self.prefill.add_request(request, waited_ms)
 
     def _on_prefill_done(self, now: float, payload: tuple[float, StepResult]) -> None:
         if self._receive is None:  # no V0 receive in flight to tell

@@ -68,7 +68,7 @@ def serve_or_refuse(
 
 
 class Requests:
-    """Makes the engine's requests of the cell (with the shared prefix group, if any) and
+    """Makes the engine's requests of the cell (with their prefix-cache chains, if any) and
     keeps them, to count each request id's preemptions at the end."""
 
     def __init__(self, lengths: RequestLengths, served: Served):
@@ -78,6 +78,7 @@ class Requests:
         self.prefix_tokens = lengths.shared_prefix_tokens
         self.group = (0,) if self.prefix_tokens else ()
         self.chains = lengths.prefix_chains
+        self.groups = lengths.prefix_groups  # per request when there are several system prompts
         self.made: list[Request] = []
 
     def new(self, k: int, max_tokens: int | None = None) -> Request:
@@ -107,14 +108,16 @@ class Requests:
 
     def prefix(self, k: int) -> dict[str, Any]:
         """Request ``k``'s prefix-cache chain: a trace's 512-token blocks, or the one shared
-        prefix of every prompt (`replay.engine_chains`, `RequestLengths`)."""
+        prefix of every prompt, or the system prompt it starts with (`replay.engine_chains`,
+        `RequestLengths`)."""
         if self.chains:
             return {
                 "prefix_chain": self.chains[k],
                 "prefix_tokens": self.input_lens[k],
                 "prefix_segment_blocks": replay.BLOCK_TOKENS // BLOCK_SIZE_TOKENS,
             }
-        return {"prefix_chain": self.group, "prefix_tokens": self.prefix_tokens}
+        chain = (self.groups[k],) if self.groups else self.group
+        return {"prefix_chain": chain, "prefix_tokens": self.prefix_tokens}
 
     def keep(self, request: Request) -> Request:
         self.made.append(request)

@@ -113,7 +113,7 @@ def run_instance(
             if arrival_at[i] > clock:
                 clock = arrival_at[i]
         while arrival_at[i] <= clock:
-            instance.add_request(arrivals[i][1])
+            instance.add_request(arrivals[i][1], (clock - arrival_at[i]) * 1e3)
             i += 1
         run = instance.decode_run(arrival_at[i] - clock)
         if run is not None:
@@ -147,6 +147,7 @@ class _CappedRun:
         self.hop_in_s, self.hop_out_s = hop_in_s, hop_out_s
         self.events = EventQueue()
         self.busy = [False] * len(instances)
+        self.busy_until = [0.0] * len(instances)  # when a busy instance's step (or run) ends
         # Least time from an event of each kind to an arrival at some instance: a decode run
         # may go on until the earliest of them.
         self.leads = {
@@ -192,14 +193,15 @@ class _CappedRun:
                 result = instance.step()
                 done_at, payload = now + result.duration_s, (now, result)
             events.push(done_at, STEP_DONE, (index, payload))
-            self.busy[index] = True
+            self.busy[index], self.busy_until[index] = True, done_at
 
     def _on_arrive(self, now: float, payload: tuple[int, Request | None]) -> None:
         index, request = payload
         if request is None:
             self.events.push(now + self.hop_out_s, SLOT_FREED, None)
         else:
-            self.instances[index].add_request(request)
+            waited_ms = (self.busy_until[index] - now) * 1e3 if self.busy[index] else 0.0
+            self.instances[index].add_request(request, waited_ms)
 
     def _on_slot_freed(self, now: float, payload: None) -> None:
         self.slots.release()  # the client sends when every event of this time is applied
