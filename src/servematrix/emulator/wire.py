@@ -205,6 +205,14 @@ METRIC_HELP = {
     "vllm:prompt_tokens": ("counter", "Number of prefill tokens processed."),
     "vllm:generation_tokens": ("counter", "Number of generation tokens processed."),
     "vllm:tokens": ("counter", "Number of prefill plus generation tokens processed."),
+    "vllm:prefix_cache_queries": (
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+    ),
+    "vllm:prefix_cache_hits": (
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+    ),
 }
 """Each series' Prometheus type and help text, as vLLM writes them (counters get ``_total``)."""
 
@@ -245,18 +253,8 @@ def metrics_text(
     ]
     if recipe == "v1":
         series += [
-            (
-                "vllm:prefix_cache_queries",
-                "counter",
-                "Prefix cache queries, in terms of number of queried tokens.",
-                prefix_cache[0],
-            ),
-            (
-                "vllm:prefix_cache_hits",
-                "counter",
-                "Prefix cache hits, in terms of number of cached tokens.",
-                prefix_cache[1],
-            ),
+            ("vllm:prefix_cache_queries", prefix_cache[0]),
+            ("vllm:prefix_cache_hits", prefix_cache[1]),
         ]
     if recipe == "v0":
         series.append(("vllm:tokens", prompt_tokens + generation_tokens))
