@@ -105,6 +105,7 @@ def test_summary_columns_and_types(tmp_path: Path) -> None:
         *workload,
         *memory,
         *preemption,
+        *aggregate.TURN_COLUMNS,
         *intervals.INTERVAL_COLUMNS,
         "repeats",
         "trace",

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from servematrix.sessions import Sessions, longest_conversation_tokens, plan
 from servematrix.slo import Slo, replacement_for_slo_ms
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
@@ -78,7 +79,9 @@ class Workload:
     ``range_ratio`` spreads the random dataset's lengths uniformly over
     [len·(1−r), len·(1+r)]; ``dataset_path`` is the sonnet text or jsonl file; ``prefix_len``
     the sonnet prompts' shared prefix in tokens. ``ignore_eos`` False lets the server stop at
-    EOS (the output length is then the model's, at most the dataset's).
+    EOS (the output length is then the model's, at most the dataset's). ``sessions`` makes
+    the measured requests multi-turn conversations (`servematrix.sessions`); ``num_prompts``
+    is then their total number of turns.
     """
 
     qps: float
@@ -94,6 +97,7 @@ class Workload:
     dataset_path: str | None = None
     prefix_len: int = 0
     ignore_eos: bool = True
+    sessions: Sessions | None = None
 
 
 @dataclass(frozen=True)
@@ -149,18 +153,23 @@ class Cell:
             # Left out at its default: the setting's arrival changed no existing cell's
             # parameters (no rerun) nor its trace metadata.
             del data["serving"]["prefix_caching"]
+        if self.workload.sessions is None:
+            del data["workload"]["sessions"]  # as prefix_caching: no existing cell changes
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cell:
         model = dict(data["model"])
         model["gpus"] = tuple(tuple(g) for g in model["gpus"])
+        workload = dict(data["workload"])
+        if workload.get("sessions") is not None:
+            workload["sessions"] = Sessions(**workload["sessions"])
         return cls(
             backend=data["backend"],
             recipe=data["recipe"],
             model=ModelSpec(**model),
             mode=ModeSpec(**data["mode"]),
-            workload=Workload(**data["workload"]),
+            workload=Workload(**workload),
             serving=Serving(**data["serving"]),
             engine=dict(data.get("engine", {})),
             deploy=dict(data.get("deploy", {})),
@@ -221,7 +230,9 @@ def workload_token(w: Workload) -> str:
     workloads never share a path while the default paths stay as they were:
     ``_{dataset}-{file stem}`` (sonnet, jsonl), ``_p{prefix_len}``, ``_r{range_ratio}``,
     ``_b{burstiness}``, ``_c{max_concurrency}``, ``_w{warmup_requests}`` (default 1) and
-    ``_eos`` (``ignore_eos`` off). ``qps: .inf`` is spelled ``qpsinf``.
+    ``_eos`` (``ignore_eos`` off), ``_sess{users}x{turns}`` (``-{min_turns}`` when
+    turn counts vary) ``-t{think_time_s}`` (``f`` after it when fixed). ``qps: .inf`` is
+    spelled ``qpsinf``.
     """
     token = (
         f"qps{format_number(w.qps)}_in{w.input_len}_out{w.output_len}_n{w.num_prompts}_s{w.seed}"
@@ -241,6 +252,11 @@ def workload_token(w: Workload) -> str:
         token += f"_w{w.warmup_requests}"
     if not w.ignore_eos:
         token += "_eos"
+    if w.sessions is not None:
+        s = w.sessions
+        varying = f"-{s.min_turns}" if s.min_turns and s.min_turns != s.turns else ""
+        fixed = "f" if s.think_time == "fixed" else ""
+        token += f"_sess{s.users}x{s.turns}{varying}-t{format_number(s.think_time_s)}{fixed}"
     return token
 
 
@@ -362,18 +378,19 @@ def _study(
         bool(settings.get("prefix_caching", False)),
     )
     _check_workload_settings(base, data, settings)
+    sessions = _sessions(base, data, settings)
     cells = []
     for model in data["models"]:
         spec = models[model]
         for mode in data["modes"]:
             for input_len in data["input_len"]:
-                _check_fits(base, settings, input_len)
+                _check_fits(base, settings, input_len, sessions)
                 for qps, seed in itertools.product(data["qps"], seeds(settings)):
                     workload = Workload(
                         qps=float(qps),
                         input_len=input_len,
                         output_len=settings["output_len"],
-                        num_prompts=settings["num_prompts"],
+                        num_prompts=_num_prompts(settings, sessions, input_len, seed),
                         seed=seed,
                         dataset=settings["dataset"],
                         burstiness=float(settings["burstiness"]),
@@ -383,6 +400,7 @@ def _study(
                         dataset_path=settings.get("dataset_path"),
                         prefix_len=settings["prefix_len"],
                         ignore_eos=bool(settings["ignore_eos"]),
+                        sessions=sessions,
                     )
                     cells.append(
                         Cell(
@@ -439,9 +457,58 @@ def _check_workload_settings(
         raise ConfigError(where("prefix_len"), "applies to the sonnet dataset only")
 
 
-def _check_fits(base: str, settings: Mapping[str, Any], input_len: int) -> None:
+def _sessions(base: str, data: Mapping[str, Any], settings: Mapping[str, Any]) -> Sessions | None:
+    """The study's ``sessions``, refused where this version does not drive them: one line
+    naming the setting."""
+    raw = settings.get("sessions")
+    if raw is None:
+        return None
+    where = (
+        f"{base}.workload.sessions"
+        if "sessions" in data.get("workload", {})
+        else "defaults.sessions"
+    )
+    sessions = Sessions(**raw)
+    if sessions.min_turns > sessions.turns:
+        raise ConfigError(where, f"min_turns {sessions.min_turns} exceeds turns {sessions.turns}")
+    if settings["dataset"] != "random":
+        raise ConfigError(where, "sessions send token ids: they need the random dataset")
+    if settings.get("max_concurrency") is not None:
+        raise ConfigError(where, "sessions set their own concurrency (users): drop max_concurrency")
+    disaggregated = [mode for mode in data["modes"] if MODES[mode].disaggregated]
+    if disaggregated:
+        raise ConfigError(
+            where,
+            f"sessions run on single and round-robin modes only, not {', '.join(disaggregated)}",
+        )
+    return sessions
+
+
+def _num_prompts(
+    settings: Mapping[str, Any], sessions: Sessions | None, input_len: int, seed: int
+) -> int:
+    """The measured requests: ``num_prompts``, or a sessions workload's number of turns."""
+    if sessions is None:
+        return settings["num_prompts"]
+    return len(plan(sessions, input_len, settings["output_len"], settings["range_ratio"], seed))
+
+
+def _check_fits(
+    base: str, settings: Mapping[str, Any], input_len: int, sessions: Sessions | None = None
+) -> None:
     """The longest request the workload can draw must fit in ``max_model_len`` (jsonl
-    lengths are only known when the file is read: vLLM rejects those that do not fit)."""
+    lengths are only known when the file is read: vLLM rejects those that do not fit); a
+    session's last turn holds the whole conversation."""
+    if sessions is not None:
+        longest = longest_conversation_tokens(
+            sessions, input_len, settings["output_len"], settings["range_ratio"]
+        )
+        if longest > settings["max_model_len"]:
+            raise ConfigError(
+                f"{base}.workload.sessions",
+                f"a conversation of {sessions.turns} turns can reach {longest} tokens, beyond "
+                f"max_model_len {settings['max_model_len']}",
+            )
     ratio = settings["range_ratio"]
     longest_in = math.ceil(input_len * (1 + ratio))
     longest_out = math.ceil(settings["output_len"] * (1 + ratio))

@@ -53,7 +53,7 @@ from servematrix.simulate.requests import Served, serve_or_refuse
 from servematrix.simulate.roundrobin import RoundRobin, round_robin_targets
 from servematrix.simulate.v1 import OrderTie
 from servematrix.trace import RequestRecord
-from servematrix.workload import TokenCounter, request_lengths
+from servematrix.workload import TokenCounter, request_lengths, session_plan
 
 __all__ = [
     "Served",
@@ -122,7 +122,9 @@ def _cyclic_gc_paused() -> Iterator[None]:
 def _simulate(cell: Cell, step_time: StepTimeModel | None, one_queue: bool) -> SimulationResult:
     setup = cell_engine_setup(cell, step_time)
     workload = cell.workload
-    sends = arrival_times(workload.num_prompts, workload.qps, workload.burstiness, workload.seed)
+    turns = session_plan(workload) if workload.sessions is not None else None
+    count = workload.num_prompts if turns is None else workload.sessions.users
+    sends = arrival_times(count, workload.qps, workload.burstiness, workload.seed)
     counter = None if workload.dataset == "random" else TokenCounter.for_model(cell.model.hf_id)
     lengths = request_lengths(workload, counter)
     instances = [setup.instance(workload.seed, index) for index in range(cell.mode.instances)]
@@ -147,7 +149,7 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None, one_queue: bool) -> S
             NO_PROXY if cell.mode.instances == 1 else ProxyHop(),
             api_server_ms=setup.host.request_latency_ms,
         )
-        driver = RoundRobin(cell, instances, hop, lengths, served)
+        driver = RoundRobin(cell, instances, hop, lengths, served, turns)
         records = driver.run(sends)
     parameters = _parameters(cell, setup, driver)
     if counter is not None:
