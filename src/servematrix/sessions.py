@@ -65,7 +65,10 @@ class Turn:
         return self.history_len + self.new_len
 
 
-def _spread(rng: np.random.Generator, length: int, ratio: float, count: int) -> list[int]:
+def spread(rng: np.random.Generator, length: int, ratio: float, count: int) -> list[int]:
+    """``count`` lengths uniform in the integers of [floor(length·(1−ratio)),
+    ceil(length·(1+ratio))] (at least 1), as ``vllm bench serve --random-range-ratio``; all
+    ``length`` when ``ratio`` is 0 (the random dataset's draw, here for sessions too)."""
     if not ratio:
         return [length] * count
     low = max(1, math.floor(length * (1 - ratio)))
@@ -81,8 +84,8 @@ def plan(
     low, high = sessions.turn_range
     counts = rng([seed, _TURNS_STREAM]).integers(low, high + 1, sessions.users).tolist()
     total = sum(counts)
-    news = iter(_spread(rng([seed, _INPUT_STREAM]), input_len, range_ratio, total))
-    outs = iter(_spread(rng([seed, _OUTPUT_STREAM]), output_len, range_ratio, total))
+    news = iter(spread(rng([seed, _INPUT_STREAM]), input_len, range_ratio, total))
+    outs = iter(spread(rng([seed, _OUTPUT_STREAM]), output_len, range_ratio, total))
     think_rng = rng([seed, _THINK_STREAM])
     if sessions.think_time == "fixed":
         thinks = iter([sessions.think_time_s] * total)

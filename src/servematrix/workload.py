@@ -49,6 +49,7 @@ import numpy as np
 from servematrix import sessions
 from servematrix.config import Workload
 from servematrix.schedule import arrival_times
+from servematrix.sessions import spread as _spread
 
 SONNET_BASE_PROMPT = "Pick as many lines as you can from these poem lines:\n"
 """vLLM's ``sample_sonnet_requests`` base prompt, verbatim."""
@@ -343,14 +344,6 @@ def _entries(
 
 def _rng(seed: int, stream: int) -> np.random.Generator:
     return np.random.default_rng([seed, stream])
-
-
-def _spread(rng: np.random.Generator, length: int, ratio: float, count: int) -> list[int]:
-    if not ratio:
-        return [length] * count
-    low = max(1, math.floor(length * (1 - ratio)))
-    high = max(low, math.ceil(length * (1 + ratio)))
-    return rng.integers(low, high + 1, count).tolist()
 
 
 def _token_ids(rng: np.random.Generator, vocab_size: int, lengths: Sequence[int]) -> list:
