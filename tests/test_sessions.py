@@ -166,3 +166,28 @@ def test_emulator_gets_each_turn_its_think_time_after_the_previous_answer():
             due = records[spec.after_id].end_s + 0.2
             assert mine.scheduled_s == pytest.approx(due, abs=1e-6)
             assert due <= mine.sent_s < due + 0.05
+
+
+def test_summary_gives_the_mean_ttft_of_first_and_later_turns(tmp_path):
+    import polars as pl
+
+    from servematrix import aggregate, metrics
+
+    c = cell(tmp_path)
+    records = simulate(c).records
+    table = pl.DataFrame(
+        [{name: getattr(r, name) for name in metrics.REQUIRED_COLUMNS} for r in records]
+    ).to_arrow()
+    summary = aggregate.turn_summary(table, c.to_dict()["workload"])
+    specs = build_requests(c.workload, 1000)
+    ttft = {
+        first: [
+            (r.first_token_s - r.sent_s) * 1e3
+            for r in records
+            if not r.warmup and (specs[r.request_id].after_id is None) == first
+        ]
+        for first in (True, False)
+    }
+    assert summary["ttft_turn1_mean_ms"] == pytest.approx(sum(ttft[True]) / 2)
+    assert summary["ttft_later_turns_mean_ms"] == pytest.approx(sum(ttft[False]) / 4)
+    assert aggregate.turn_summary(table, {}) == dict.fromkeys(aggregate.TURN_COLUMNS)
