@@ -106,6 +106,7 @@ def test_summary_columns_and_types(tmp_path: Path) -> None:
         *memory,
         *preemption,
         *aggregate.PREFIX_COLUMNS,
+        *aggregate.TURN_COLUMNS,
         *intervals.INTERVAL_COLUMNS,
         "repeats",
         "trace",

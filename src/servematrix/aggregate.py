@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from servematrix import intervals, metrics, prefixstats, trace
+from servematrix import intervals, metrics, prefixstats, sessions, trace
 from servematrix.files import atomic_path
 
 SORT_KEYS = ("model", "mode", "input_len", "qps")
@@ -95,6 +95,13 @@ PREFIX_COLUMNS = {
 tokens the servers' prefix caches hit (null with caching off or where the server has no
 counters), the most a Mooncake trace allows, and the requests its input cap dropped."""
 
+TURN_COLUMNS = {
+    "ttft_turn1_mean_ms": pl.Float64(),
+    "ttft_later_turns_mean_ms": pl.Float64(),
+}
+"""A sessions workload's mean TTFT of the users' first turns and of their later turns (whose
+prompts carry the history), over the successful measured requests; null for other workloads."""
+
 
 def _summary_schema() -> dict[str, pl.DataType]:
     """Identity columns typed as in the trace, CellMetrics fields, then the trace path."""
@@ -108,6 +115,7 @@ def _summary_schema() -> dict[str, pl.DataType]:
         **MEMORY_COLUMNS,
         **PREEMPTION_COLUMNS,
         **PREFIX_COLUMNS,
+        **TURN_COLUMNS,
         **intervals.INTERVAL_COLUMNS,
         "repeats": pl.Int64(),
         "trace": pl.String(),
@@ -148,6 +156,7 @@ def summary_row(
         **{name: memory_use.get(name) for name in MEMORY_COLUMNS},
         **preemption_summary(table),
         **prefixstats.summary_columns(metadata.get("prefix_cache") or {}),
+        **turn_summary(table, workload),
         **dict.fromkeys(intervals.INTERVAL_COLUMNS),
         **intervals.bootstrap_columns(metrics.latencies_of(_served(table))),
         "repeats": 1,
@@ -159,6 +168,33 @@ def _served(table: pa.Table) -> pl.DataFrame:
     """The measured, successful requests (those `metrics.compute` takes latencies of)."""
     frame = pl.from_arrow(table.select(list(metrics.REQUIRED_COLUMNS)))
     return frame.filter(~pl.col("warmup") & pl.col("success")).sort("request_id")
+
+
+def turn_summary(table: pa.Table, workload: Mapping[str, Any]) -> dict[str, Any]:
+    """The `TURN_COLUMNS` of one trace: turns by request id from the workload's session plan
+    (measured requests are numbered warm-ups first, then turn-major)."""
+    summary: dict[str, Any] = dict.fromkeys(TURN_COLUMNS)
+    if not workload.get("sessions"):
+        return summary
+    turns = sessions.plan(
+        sessions.Sessions(**workload["sessions"]),
+        workload["input_len"],
+        workload["output_len"],
+        workload.get("range_ratio", 0.0),
+        workload["seed"],
+    )
+    served = _served(table).filter(pl.col("first_token_s").is_not_null())
+    first = workload.get("warmup_requests", 0)
+    ttft = {"ttft_turn1_mean_ms": [], "ttft_later_turns_mean_ms": []}
+    for request_id, sent, first_token in served.select(
+        ["request_id", "sent_s", "first_token_s"]
+    ).iter_rows():
+        later = turns[request_id - first].turn > 1
+        ttft["ttft_later_turns_mean_ms" if later else "ttft_turn1_mean_ms"].append(
+            (first_token - sent) * 1e3
+        )
+    summary.update({name: float(np.mean(v)) if v else None for name, v in ttft.items()})
+    return summary
 
 
 def preemption_summary(table: pa.Table) -> dict[str, Any]:

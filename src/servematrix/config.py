@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from servematrix.sessions import Sessions, longest_conversation_tokens, plan
 from servematrix.slo import Slo, replacement_for_slo_ms
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
@@ -84,7 +85,9 @@ class Workload:
     The mooncake dataset (``servematrix.replay``) replays ``dataset_path`` from
     ``trace_start_s``; ``trace_timing`` "timestamps" keeps its arrival pattern scaled to ``qps``,
     "qps" re-times it as the other datasets; ``input_len`` caps its inputs and
-    ``input_overflow`` says whether longer requests are dropped or truncated.
+    ``input_overflow`` says whether longer requests are dropped or truncated. ``sessions``
+    makes the measured requests multi-turn conversations (`servematrix.sessions`);
+    ``num_prompts`` is then their total number of turns.
     """
 
     qps: float
@@ -104,6 +107,7 @@ class Workload:
     trace_timing: str = "timestamps"
     input_overflow: str = "drop"
     prefix_groups: int = 1
+    sessions: Sessions | None = None
 
 
 @dataclass(frozen=True)
@@ -173,18 +177,23 @@ class Cell:
             del data["serving"]["kv_offloading_gib"]
         if self.workload.prefix_groups == 1:
             del data["workload"]["prefix_groups"]
+        if self.workload.sessions is None:
+            del data["workload"]["sessions"]
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cell:
         model = dict(data["model"])
         model["gpus"] = tuple(tuple(g) for g in model["gpus"])
+        workload = dict(data["workload"])
+        if workload.get("sessions") is not None:
+            workload["sessions"] = Sessions(**workload["sessions"])
         return cls(
             backend=data["backend"],
             recipe=data["recipe"],
             model=ModelSpec(**model),
             mode=ModeSpec(**data["mode"]),
-            workload=Workload(**data["workload"]),
+            workload=Workload(**workload),
             serving=Serving(**data["serving"]),
             engine=dict(data.get("engine", {})),
             deploy=dict(data.get("deploy", {})),
@@ -246,7 +255,9 @@ def workload_token(w: Workload) -> str:
     ``_{dataset}-{file stem}`` (sonnet, jsonl, mooncake), ``_t{trace_start_s}``, ``_retimed``
     (``trace_timing: qps``), ``_trunc`` (``input_overflow: truncate``), ``_p{prefix_len}``,
     ``_g{prefix_groups}``, ``_r{range_ratio}``, ``_b{burstiness}``, ``_c{max_concurrency}``,
-    ``_w{warmup_requests}`` (default 1) and ``_eos`` (``ignore_eos`` off). ``qps: .inf`` is
+    ``_w{warmup_requests}`` (default 1), ``_eos`` (``ignore_eos`` off) and
+    ``_sess{users}x{turns}`` (``-{min_turns}`` when turn counts vary) ``-t{think_time_s}``
+    (``f`` after it when fixed). ``qps: .inf`` is
     spelled ``qpsinf``.
     """
     token = (
@@ -275,6 +286,11 @@ def workload_token(w: Workload) -> str:
         token += f"_w{w.warmup_requests}"
     if not w.ignore_eos:
         token += "_eos"
+    if w.sessions is not None:
+        s = w.sessions
+        varying = f"-{s.min_turns}" if s.min_turns and s.min_turns != s.turns else ""
+        fixed = "f" if s.think_time == "fixed" else ""
+        token += f"_sess{s.users}x{s.turns}{varying}-t{format_number(s.think_time_s)}{fixed}"
     return token
 
 
@@ -398,18 +414,19 @@ def _study(
         settings.get("kv_offloading_size"),
     )
     _check_workload_settings(base, data, settings)
+    sessions = _sessions(base, data, settings)
     cells = []
     for model in data["models"]:
         spec = models[model]
         for mode in data["modes"]:
             for input_len in data["input_len"]:
-                _check_fits(base, settings, input_len)
+                _check_fits(base, settings, input_len, sessions)
                 for qps, seed in itertools.product(data["qps"], seeds(settings)):
                     workload = Workload(
                         qps=float(qps),
                         input_len=input_len,
                         output_len=settings["output_len"],
-                        num_prompts=settings["num_prompts"],
+                        num_prompts=_num_prompts(settings, sessions, input_len, seed),
                         seed=seed,
                         dataset=settings["dataset"],
                         burstiness=float(settings["burstiness"]),
@@ -420,6 +437,7 @@ def _study(
                         prefix_len=settings["prefix_len"],
                         ignore_eos=bool(settings["ignore_eos"]),
                         prefix_groups=settings.get("prefix_groups", 1),
+                        sessions=sessions,
                         **_trace_settings(settings),
                     )
                     recipe = spec.recipe or data["recipe"]
@@ -547,9 +565,58 @@ def _check_trace(where: Any, data: Mapping[str, Any], settings: Mapping[str, Any
         raise ConfigError(where("dataset_path"), str(error)) from error
 
 
-def _check_fits(base: str, settings: Mapping[str, Any], input_len: int) -> None:
+def _sessions(base: str, data: Mapping[str, Any], settings: Mapping[str, Any]) -> Sessions | None:
+    """The study's ``sessions``, refused where this version does not drive them: one line
+    naming the setting."""
+    raw = settings.get("sessions")
+    if raw is None:
+        return None
+    where = (
+        f"{base}.workload.sessions"
+        if "sessions" in data.get("workload", {})
+        else "defaults.sessions"
+    )
+    sessions = Sessions(**raw)
+    if sessions.min_turns > sessions.turns:
+        raise ConfigError(where, f"min_turns {sessions.min_turns} exceeds turns {sessions.turns}")
+    if settings["dataset"] != "random":
+        raise ConfigError(where, "sessions send token ids: they need the random dataset")
+    if settings.get("max_concurrency") is not None:
+        raise ConfigError(where, "sessions set their own concurrency (users): drop max_concurrency")
+    disaggregated = [mode for mode in data["modes"] if MODES[mode].disaggregated]
+    if disaggregated:
+        raise ConfigError(
+            where,
+            f"sessions run on single and round-robin modes only, not {', '.join(disaggregated)}",
+        )
+    return sessions
+
+
+def _num_prompts(
+    settings: Mapping[str, Any], sessions: Sessions | None, input_len: int, seed: int
+) -> int:
+    """The measured requests: ``num_prompts``, or a sessions workload's number of turns."""
+    if sessions is None:
+        return settings["num_prompts"]
+    return len(plan(sessions, input_len, settings["output_len"], settings["range_ratio"], seed))
+
+
+def _check_fits(
+    base: str, settings: Mapping[str, Any], input_len: int, sessions: Sessions | None = None
+) -> None:
     """The longest request the workload can draw must fit in ``max_model_len`` (jsonl
-    lengths are only known when the file is read: vLLM rejects those that do not fit)."""
+    lengths are only known when the file is read: vLLM rejects those that do not fit); a
+    session's last turn holds the whole conversation."""
+    if sessions is not None:
+        longest = longest_conversation_tokens(
+            sessions, input_len, settings["output_len"], settings["range_ratio"]
+        )
+        if longest > settings["max_model_len"]:
+            raise ConfigError(
+                f"{base}.workload.sessions",
+                f"a conversation of {sessions.turns} turns can reach {longest} tokens, beyond "
+                f"max_model_len {settings['max_model_len']}",
+            )
     ratio = settings["range_ratio"]
     longest_in = math.ceil(input_len * (1 + ratio))
     longest_out = math.ceil(settings["output_len"] * (1 + ratio))

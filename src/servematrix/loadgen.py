@@ -531,7 +531,10 @@ async def run_requests(
                     f"the server at {settings.server_root} refused the warm-up request "
                     f"({refused}); no measured request was sent"
                 )
-            measured = sorted((r for r in requests if not r.warmup), key=lambda r: r.scheduled_s)
+            measured = sorted(
+                (r for r in requests if not r.warmup),
+                key=lambda r: (r.after_id is not None, r.scheduled_s),
+            )
             await send.open_connections(ready_url, min(max_in_flight, PREOPEN_CONNECTIONS))
             result = await _run(
                 send, settings, warm, measured, bodies, headers, timeout_s, prefix, progress
@@ -576,9 +579,14 @@ async def _run(
     prefix: str,
     progress: Progress | None,
 ) -> RunResult:
-    """The measured requests, each at its instant; then every request as a record."""
+    """The measured requests, each at its instant; then every request as a record.
+
+    A session's later turn (``after_id``) goes from the task of the turn it follows, at the
+    monotonic time that turn's answer ended (its last chunk, or its error) plus ``think_s``."""
     results: dict[int, StreamParser] = {}
     slots = asyncio.Semaphore(settings.max_concurrency) if settings.max_concurrency else None
+    following = {spec.after_id: spec for spec in measured if spec.after_id is not None}
+    scheduled: dict[int, float] = {}
 
     async def one(spec: RequestSpec) -> None:
         try:
@@ -589,6 +597,12 @@ async def _run(
         results[spec.request_id] = raw
         if progress is not None:
             progress.finished(raw.error is None)
+        after = following.get(spec.request_id)
+        if after is not None:
+            due = (raw.chunk_s[-1] if raw.chunk_s else time.monotonic()) + after.think_s
+            scheduled[after.request_id] = due - origin
+            await _sleep_until(due)
+            await one(after)
 
     if progress is not None:
         progress.start()
@@ -596,7 +610,7 @@ async def _run(
     origin = time.monotonic()
     tasks = []
     try:
-        for spec in measured:
+        for spec in (spec for spec in measured if spec.after_id is None):
             await _sleep_until(origin + spec.scheduled_s)
             if slots is not None:
                 await slots.acquire()
@@ -609,7 +623,10 @@ async def _run(
             reporter.cancel()
             progress.close()
     records = [record(spec, raw, origin, scheduled_s=raw.sent - origin) for spec, raw in warm]
-    records += [record(spec, results[spec.request_id], origin) for spec in measured]
+    records += [
+        record(spec, results[spec.request_id], origin, scheduled.get(spec.request_id))
+        for spec in measured
+    ]
     records.sort(key=lambda r: r.request_id)
     return RunResult(records, origin, prefix, settings.client)
 

@@ -48,16 +48,17 @@ import os
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from servematrix import replay
+from servematrix import replay, sessions
 from servematrix.config import Workload
 from servematrix.files import json_object
 from servematrix.schedule import arrival_times
+from servematrix.sessions import spread as _spread
 
 SONNET_BASE_PROMPT = "Pick as many lines as you can from these poem lines:\n"
 """vLLM's ``sample_sonnet_requests`` base prompt, verbatim."""
@@ -81,7 +82,9 @@ class RequestSpec:
 
     ``prompt`` is token ids (random dataset, jsonl length lines) or text; ``input_len`` is its
     length in tokens (exact for ids, counted with the `TokenCounter` for text);
-    ``output_len`` is the ``max_tokens`` sent.
+    ``output_len`` is the ``max_tokens`` sent. A session's later turn (`servematrix.sessions`)
+    has ``after_id``, the request it follows: it is sent ``think_s`` after that one's answer
+    ends, and its ``scheduled_s`` is only known then.
     """
 
     request_id: int
@@ -90,6 +93,8 @@ class RequestSpec:
     prompt: list[int] | str
     input_len: int
     output_len: int
+    after_id: int | None = None
+    think_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -251,6 +256,8 @@ def build_requests(
     """
     if vocab_size < 1:
         raise WorkloadError(f"vocab_size must be >= 1, got {vocab_size}")
+    if workload.sessions is not None:
+        return _session_specs(workload, vocab_size)
     entries = _entries(workload, tokenizer, vocab_size)
     return _specs(workload, entries)
 
@@ -258,6 +265,13 @@ def build_requests(
 def request_lengths(workload: Workload, tokenizer: TokenCounter | None = None) -> RequestLengths:
     """The lengths `build_requests` would give each request, without building random prompts
     (what the simulator needs, at a fraction of the cost)."""
+    if workload.sessions is not None:
+        turns = session_plan(workload)
+        warm = _random(replace(workload, num_prompts=0), workload.warmup_requests, None)
+        return RequestLengths(
+            [e.input_len for e in warm] + [t.input_len for t in turns],
+            [e.output_len for e in warm] + [t.output_len for t in turns],
+        )
     entries = _entries(workload, tokenizer, None)
     ordered = _warmups_first(workload, entries)
     text = [isinstance(entry.prompt, str) for entry in ordered]
@@ -286,11 +300,12 @@ def request_lengths(workload: Workload, tokenizer: TokenCounter | None = None) -
 def measured_sends(workload: Workload) -> np.ndarray:
     """When each measured request is sent (s from the benchmark start): the trace's scaled
     timestamps for a mooncake replay at ``trace_timing: timestamps``, else the seeded
-    `schedule.arrival_times`."""
+    `schedule.arrival_times` (for sessions: of each user's first turn)."""
     w = workload
     if w.dataset == "mooncake" and w.trace_timing == "timestamps":
         return np.array(replay.send_times(trace_window(w).requests, w.qps))
-    return arrival_times(w.num_prompts, w.qps, w.burstiness, w.seed)
+    count = w.num_prompts if w.sessions is None else w.sessions.users  # first turns only
+    return arrival_times(count, w.qps, w.burstiness, w.seed)
 
 
 def trace_window(workload: Workload) -> replay.TraceWindow:
@@ -341,6 +356,41 @@ def _specs(workload: Workload, entries: list[_Entry]) -> list[RequestSpec]:
     ]
 
 
+def session_plan(workload: Workload) -> list[sessions.Turn]:
+    """The measured turns of a sessions workload (`servematrix.sessions.plan`)."""
+    assert workload.sessions is not None
+    w = workload
+    return sessions.plan(w.sessions, w.input_len, w.output_len, w.range_ratio, w.seed)
+
+
+def _session_specs(workload: Workload, vocab_size: int) -> list[RequestSpec]:
+    """Warm-ups as independent random requests of a first turn's lengths, then the turns:
+    first turns at the arrival schedule, later ones after the turn they follow."""
+    w = workload
+    turns = session_plan(w)
+    warm = _random(replace(w, num_prompts=0), w.warmup_requests, vocab_size)
+    firsts = iter(arrival_times(w.sessions.users, w.qps, w.burstiness, w.seed).tolist())
+    specs = [
+        RequestSpec(k, True, 0.0, entry.prompt or [], entry.input_len, entry.output_len)
+        for k, entry in enumerate(warm)
+    ]
+    for turn, prompt in zip(turns, sessions.prompts(turns, vocab_size, w.seed), strict=True):
+        after = None if turn.after is None else turn.after + w.warmup_requests
+        specs.append(
+            RequestSpec(
+                request_id=len(specs),
+                warmup=False,
+                scheduled_s=next(firsts) if after is None else math.nan,
+                prompt=prompt,
+                input_len=turn.input_len,
+                output_len=turn.output_len,
+                after_id=after,
+                think_s=turn.think_s,
+            )
+        )
+    return specs
+
+
 def _warmups_first(workload: Workload, entries: list[_Entry]) -> list[_Entry]:
     """Datasets draw the measured requests first (so they do not depend on the number of
     warm-ups), then the warm-ups; requests are numbered warm-ups first."""
@@ -368,14 +418,6 @@ def _entries(
 
 def _rng(seed: int, stream: int) -> np.random.Generator:
     return np.random.default_rng([seed, stream])
-
-
-def _spread(rng: np.random.Generator, length: int, ratio: float, count: int) -> list[int]:
-    if not ratio:
-        return [length] * count
-    low = max(1, math.floor(length * (1 - ratio)))
-    high = max(low, math.ceil(length * (1 + ratio)))
-    return rng.integers(low, high + 1, count).tolist()
 
 
 def _token_ids(rng: np.random.Generator, vocab_size: int, lengths: Sequence[int]) -> list:

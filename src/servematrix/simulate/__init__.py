@@ -52,7 +52,7 @@ from servematrix.simulate.requests import Served, serve_or_refuse
 from servematrix.simulate.roundrobin import RoundRobin, round_robin_targets
 from servematrix.simulate.v1 import OrderTie
 from servematrix.trace import RequestRecord
-from servematrix.workload import TokenCounter, measured_sends, request_lengths
+from servematrix.workload import TokenCounter, measured_sends, request_lengths, session_plan
 
 __all__ = [
     "Served",
@@ -121,7 +121,8 @@ def _cyclic_gc_paused() -> Iterator[None]:
 def _simulate(cell: Cell, step_time: StepTimeModel | None, one_queue: bool) -> SimulationResult:
     setup = cell_engine_setup(cell, step_time)
     workload = cell.workload
-    sends = measured_sends(workload)
+    turns = session_plan(workload) if workload.sessions is not None else None
+    sends = measured_sends(workload)  # a session's first turns; the rest follow their turns
     counter = (
         None
         if workload.dataset in ("random", "mooncake")
@@ -150,7 +151,7 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None, one_queue: bool) -> S
             NO_PROXY if cell.mode.instances == 1 else ProxyHop(),
             api_server_ms=setup.host.request_latency_ms,
         )
-        driver = RoundRobin(cell, instances, hop, lengths, served)
+        driver = RoundRobin(cell, instances, hop, lengths, served, turns)
         records = driver.run(sends)
     parameters = _parameters(cell, setup, driver)
     if counter is not None:

@@ -28,6 +28,9 @@ class Event(IntEnum):
     DECODE_DONE = 7
     RECEIVE_DONE = 8
     """V0: the decoder's step receiving KV ends (unless superseded since it was queued)."""
+    NEXT_TURN = 9
+    """A session's next turn is sent: its think time after the previous turn's answer ended
+    (a dependent arrival: its time is known only when the request it follows finishes)."""
 
 
 # The members by name, as ``re.IGNORECASE`` or ``socket.AF_INET`` are: the drivers name a kind
@@ -42,6 +45,7 @@ class Event(IntEnum):
     LINK,
     DECODE_DONE,
     RECEIVE_DONE,
+    NEXT_TURN,
 ) = Event
 
 

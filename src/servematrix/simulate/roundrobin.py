@@ -13,7 +13,15 @@ from servematrix.config import Cell
 from servematrix.engine.instance import EngineInstance
 from servematrix.engine.scheduler import Request
 from servematrix.engine.transfer import ProxyHop
-from servematrix.simulate.events import ARRIVE, SLOT_FREED, STEP_DONE, ClientSlots, EventQueue
+from servematrix.sessions import Turn
+from servematrix.simulate.events import (
+    ARRIVE,
+    NEXT_TURN,
+    SLOT_FREED,
+    STEP_DONE,
+    ClientSlots,
+    EventQueue,
+)
 from servematrix.simulate.requests import (
     Requests,
     Served,
@@ -44,12 +52,16 @@ class RoundRobin:
         hop: ProxyHop,
         lengths: RequestLengths,
         served: Served,
+        turns: list[Turn] | None = None,
     ):
         self.cell = cell
         self.instances = instances
         self.hop = hop
         self.lengths = lengths
         self.requests = Requests(lengths, served)
+        self.turns = turns
+        """A sessions workload's measured turns (`servematrix.sessions`): each user's turns
+        share one prefix group (a turn's prompt is the next one's prefix)."""
 
     def parameters(self) -> dict[str, Any]:
         return {
@@ -74,7 +86,17 @@ class RoundRobin:
         warm_sends = warm_up(w.warmup_requests, chunks, send_warmup, hop_in + hop_out)
         measured = self.requests.served(range(w.warmup_requests, total))
         sent = None
-        if capped(w.max_concurrency, w.num_prompts):
+        if self.turns is not None:
+            for request, turn in zip(measured, self.turns, strict=True):
+                if request is not None:
+                    request.prefix_chain, request.prefix_tokens = (turn.user,), request.prompt_tokens
+            requests = list(zip(targets[w.warmup_requests :], measured, strict=True))
+            firsts = sends.tolist()  # the users' first turns, in user order
+            run = _SessionRun(self.instances, requests, firsts, self.turns, chunks, hop_in, hop_out)
+            run.run()
+            sent = run.sent
+            sends = np.array(sent)
+        elif capped(w.max_concurrency, w.num_prompts):
             requests = list(zip(targets[w.warmup_requests :], measured, strict=True))
             slots = ClientSlots(sends.tolist(), w.max_concurrency)
             _CappedRun(self.instances, requests, slots, chunks, hop_in, hop_out).run()
@@ -213,3 +235,61 @@ class _CappedRun:
         emit_chunks(chunks, started, now, result, self.hop_out_s)
         for request in result.finished:
             self.events.push(chunks[request.request_id][-1], SLOT_FREED, None)
+
+
+class _SessionRun(_CappedRun):
+    """Multi-turn sessions on one event queue: the users' first turns go at their scheduled
+    times, and a turn's end (its last chunk at the client, or its error) queues the user's
+    next turn as a `NEXT_TURN` event its think time later: a dependent arrival."""
+
+    def __init__(
+        self,
+        instances: list[EngineInstance],
+        requests: list[tuple[int, Request | None]],
+        firsts_s: list[float],
+        turns: list[Turn],
+        chunks: list[list[float]],
+        hop_in_s: float,
+        hop_out_s: float,
+    ):
+        slots = ClientSlots(firsts_s, len(firsts_s))  # first turns: indices 0..users-1
+        super().__init__(instances, requests, slots, chunks, hop_in_s, hop_out_s)
+        self.turns = turns
+        self.warmups = len(chunks) - len(turns)
+        self.next_turn = {turn.after: k for k, turn in enumerate(turns) if turn.after is not None}
+        self.sent = [0.0] * len(turns)
+        self.leads[NEXT_TURN] = hop_in_s
+        self.handlers[NEXT_TURN] = self._on_next_turn
+
+    def run(self) -> None:
+        super().run()
+        self.sent[: len(self.slots.sent)] = self.slots.sent
+
+    def _ended(self, k: int, at: float) -> None:
+        """Measured turn ``k``'s answer is back at ``at``: its user's next turn is due."""
+        following = self.next_turn.get(k)
+        if following is not None:
+            self.events.push(at + self.turns[following].think_s, NEXT_TURN, following)
+
+    def _send(self, now: float) -> None:
+        for k, at in self.slots.take(now):
+            self._go(k, at)
+
+    def _on_next_turn(self, now: float, k: int) -> None:
+        self.sent[k] = now
+        self._go(k, now)
+
+    def _go(self, k: int, at: float) -> None:
+        """Send measured turn ``k`` at ``at`` (a refused one's error is back a round trip
+        later, and its user goes on)."""
+        index, request = self.requests[k]
+        if request is None:
+            self._ended(k, at + self.hop_in_s + self.hop_out_s)
+        else:
+            self.events.push(at + self.hop_in_s, ARRIVE, (index, request))
+
+    def _on_step_done(self, now: float, payload: tuple[int, Any]) -> None:
+        super()._on_step_done(now, payload)
+        _, (_, result) = payload
+        for request in result.finished:
+            self._ended(request.request_id - self.warmups, self.chunks[request.request_id][-1])
