@@ -89,7 +89,10 @@ class RoundRobin:
         if self.turns is not None:
             for request, turn in zip(measured, self.turns, strict=True):
                 if request is not None:
-                    request.prefix_chain, request.prefix_tokens = (turn.user,), request.prompt_tokens
+                    request.prefix_chain, request.prefix_tokens = (
+                        (turn.user,),
+                        request.prompt_tokens,
+                    )
             requests = list(zip(targets[w.warmup_requests :], measured, strict=True))
             firsts = sends.tolist()  # the users' first turns, in user order
             run = _SessionRun(self.instances, requests, firsts, self.turns, chunks, hop_in, hop_out)
