@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from servematrix import config
 from servematrix.deploy.supervise import port_problem
 from servematrix.vllmcpu import env
 
@@ -119,3 +122,19 @@ def marked_processes(mark: str) -> list[str]:
 
 def ports_in_use(config: dict[str, Any]) -> list[int]:
     return [p for p in config["ports"].values() if port_problem("127.0.0.1", p) is not None]
+
+
+def run_cell(workdir: Path, cfg: dict[str, Any], timeout: float = 600):
+    """Snakemake runs the config's first cell in ``workdir``, every process marked: (cell path,
+    result, mark)."""
+    cell = config.load(cfg).all_cells()[0].path
+    env = marked_env()
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "1", cell],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    return cell, result, env[MARK]

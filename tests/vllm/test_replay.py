@@ -5,14 +5,11 @@ them, and its reported hit rate stands beside the best the window allows."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pyarrow.parquet as pq
 
-from servematrix import config
 from tests.conftest import ROOT
-from tests.vllm.conftest import MARK, marked_env, marked_processes, vllm_config
+from tests.vllm.conftest import marked_processes, run_cell, vllm_config
 from tests.workflow_helpers import copy_workflow
 
 TRACE = ROOT / "config" / "examples" / "data" / "mooncake-conversation-1000.jsonl"
@@ -26,18 +23,9 @@ def test_a_trace_window_hits_vllms_prefix_cache_as_the_trace_allows(vllm_cpu, tm
     )
     cfg["studies"]["cpu"]["input_len"] = [2000]  # the window's requests within the context
     copy_workflow(tmp_path, cfg)
-    (cell,) = [c.path for c in config.load(cfg).all_cells()]
-    env = marked_env()
-    result = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--cores", "1", cell],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
+    cell, result, mark = run_cell(tmp_path, cfg, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert marked_processes(env[MARK]) == []
+    assert marked_processes(mark) == []
     table = pq.read_table(tmp_path / cell)
     assert all(table.column("success").to_pylist())
     reuse = json.loads(next(iter(table.schema.metadata.values())))["prefix_cache"]
