@@ -1,6 +1,26 @@
 # Capacity at the SLO: per deployment (model × mode × recipe × workload), the highest request
 # rate meeting the SLO, found by search; every probe is a cell at its usual trace path. A
-# measured run starts each search from the simulator's capacity for the same deployment.
+# measured run starts each search from the simulator's capacity for the same deployment. The
+# simulator's searches run inside Snakemake, as its cells do (rules/cells.smk).
+from servematrix.capacity_run import capacity_job
+
+
+rule simulate_capacity:
+    input:
+        traces=get_deployment_traces,
+    output:
+        "results/{backend}/capacity/{recipe}/{model}/{mode}/{deployment}.json",
+    log:
+        "results/{backend}/logs/capacity/{recipe}/{model}/{mode}/{deployment}.log",
+    params:
+        cells=get_deployment_cells,
+        slo=get_slo,
+        settings=get_capacity_settings,
+    wildcard_constraints:
+        backend=sb_config.PREDICTING_BACKEND,
+    run:
+        with in_process_job(log[0]):
+            capacity_job(params.cells, params.slo, params.settings, [], output[0])
 
 
 rule capacity:
@@ -15,6 +35,8 @@ rule capacity:
         cells=get_deployment_cells,
         slo=get_slo,
         settings=get_capacity_settings,
+    wildcard_constraints:
+        backend=MEASURED_BACKENDS,
     script:
         "../scripts/capacity.py"
 

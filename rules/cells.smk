@@ -1,5 +1,12 @@
-# One job per cell: deploy (or simulate), drive the workload, write one Parquet trace.
+# One job per cell: deploy (or simulate), drive the workload, write one Parquet trace. A measured
+# cell is a script job (its own process, next to its deployment); a simulated one runs inside
+# Snakemake (servematrix.workflow.in_process_job), where it takes milliseconds, not the ~1 s a
+# new interpreter and its imports cost.
 import atexit
+import json
+
+from servematrix.cell import run_cell
+from servematrix.config import PREDICTING_BACKEND, Cell
 
 from servematrix.deploy.order import (
     deployment_group,
@@ -8,7 +15,7 @@ from servematrix.deploy.order import (
     pinned_gpu_count,
     stop_deployments,
 )
-from servematrix.workflow import stop_jobs_on_interrupt
+from servematrix.workflow import in_process_job, stop_jobs_on_interrupt
 
 
 def cell_conda_env(wildcards):
@@ -46,6 +53,24 @@ def cell_priority(wildcards):
     return deployment_priority(RUN_CONFIG, CELL_PATTERN.format(**dict(wildcards.items())))
 
 
+rule simulate_cell:
+    input:
+        get_cell_dataset,
+    output:
+        f"results/{{backend}}/cells/{CELL_PATTERN}.parquet",
+    log:
+        f"results/{{backend}}/logs/{CELL_PATTERN}.log",
+    params:
+        cell=get_cell,
+        identity=get_cell_identity,
+    wildcard_constraints:
+        backend=PREDICTING_BACKEND,
+    group: cell_group
+    run:
+        with in_process_job(log[0]):
+            run_cell(Cell.from_dict(json.loads(params.cell)), output[0])
+
+
 rule cell:
     input:
         get_cell_dataset,
@@ -56,6 +81,8 @@ rule cell:
     params:
         cell=get_cell,
         identity=get_cell_identity,
+    wildcard_constraints:
+        backend=MEASURED_BACKENDS,
     priority: cell_priority
     group: cell_group
     resources:

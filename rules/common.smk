@@ -6,6 +6,7 @@ from pathlib import Path
 
 from servematrix import capacity_run
 from servematrix import config as sb_config
+from servematrix.cell import AVAILABLE_BACKENDS
 from servematrix.identity import cell_identity
 from servematrix.workflow import fail_on_config_error, predicted_config, workflow_config
 
@@ -44,6 +45,12 @@ FIGURES = ("ttft", "tpot", "itl", "throughput", "memory")
 COMPARED_FIGURES = ("ttft", "tpot", "itl", "throughput")  # servematrix.compare.COMPARED_FIGURES
 # The workload's file name is spelled by servematrix.config.workload_token alone.
 CELL_PATTERN = "{recipe}/{model}/{mode}/{workload}"
+
+
+# A rule per kind of job where the kinds run differently (rules/cells.smk, capacity.smk).
+MEASURED_BACKENDS = sb_config.wildcard_pattern(
+    [backend for backend in AVAILABLE_BACKENDS if backend != sb_config.PREDICTING_BACKEND]
+)
 
 
 wildcard_constraints:

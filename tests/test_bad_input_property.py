@@ -167,4 +167,4 @@ def test_snakemake_plans_what_check_accepts(tmp_path_factory, capsys, changes):
         assert dry.returncode != 0 and "Traceback" not in dry.stderr
         return
     assert dry.returncode == 0, dry.stderr[-2000:]
-    assert planned_jobs(dry)["cell"] == len(cfg.all_cells())
+    assert planned_jobs(dry)["simulate_cell"] == len(cfg.all_cells())

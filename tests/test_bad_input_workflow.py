@@ -114,12 +114,12 @@ def test_a_config_of_ones_own_is_not_merged_with_the_default(workdir, how):
     )
     assert "4 distinct cells on backend simulator" in check.stdout
     assert planned_jobs(dry) == {
-        "cell": 4,
+        "simulate_cell": 4,
         "step_time_sources": 1,
         "summarize": 1,
         "figures": 1,
         "findings": 1,
-        "capacity": 4,
+        "simulate_capacity": 4,
         "capacity_table": 1,
         "answer_figures": 1,
         "overview": 1,

@@ -275,12 +275,12 @@ def test_plan_per_backend(workdir):
     simulated = snakemake(workdir, "-n", "--cores", "1", "all")
     assert simulated.returncode == 0, simulated.stderr[-2000:]
     assert planned_jobs(simulated) == {
-        "cell": 8,
+        "simulate_cell": 8,
         "step_time_sources": 2,
         "summarize": 2,
         "figures": 2,
         "findings": 2,
-        "capacity": 6,
+        "simulate_capacity": 6,
         "capacity_table": 2,
         "answer_figures": 2,
         "overview": 1,
@@ -289,15 +289,11 @@ def test_plan_per_backend(workdir):
     measured = snakemake(workdir, "-n", "--cores", "1", "all", "--config", "backend=emulator")
     assert measured.returncode == 0, measured.stderr[-2000:]
     jobs = planned_jobs(measured)
-    assert (jobs["cell"], jobs["summarize"], jobs["compare"], jobs["step_time_sources"]) == (
-        16,
-        4,
-        2,
-        2,
-    )
+    counts = ("cell", "simulate_cell", "summarize", "compare", "step_time_sources")
+    assert tuple(jobs[rule] for rule in counts) == (8, 8, 4, 2, 2)
     assert "results/simulator/cells/v0/" in measured.stdout
     # Each measured search starts from its simulator twin's capacity: both are planned.
-    assert jobs["capacity"] == 2 * 6
+    assert (jobs["capacity"], jobs["simulate_capacity"]) == (6, 6)
     assert "results/simulator/capacity/v0/" in measured.stdout
     assert "results/emulator/compare/disagg/ratios.html" in measured.stdout
     raw = copy.deepcopy(SMALL_CONFIG)

@@ -81,12 +81,12 @@ def test_deleting_one_cell_replans_only_that_cell_and_its_aggregates(finished_ru
         dry = snakemake(finished_run, "-n", "--cores", "1", "all")
         assert dry.returncode == 0, dry.stderr
         assert planned_jobs(dry) == {
-            "cell": 1,
+            "simulate_cell": 1,
             "step_time_sources": 1,
             "summarize": 1,
             "figures": 1,
             "findings": 1,
-            "capacity": 1,
+            "simulate_capacity": 1,
             "capacity_table": 1,
             "answer_figures": 1,
             "overview": 1,
@@ -110,12 +110,12 @@ def test_adding_a_qps_value_plans_only_the_new_cells(finished_run):
         dry = snakemake(finished_run, "-n", "--cores", "1", "all")
         assert dry.returncode == 0, dry.stderr
         assert planned_jobs(dry) == {
-            "cell": sum(not (finished_run / path).is_file() for path in new),
+            "simulate_cell": sum(not (finished_run / path).is_file() for path in new),
             "step_time_sources": 1,
             "summarize": 1,
             "figures": 1,
             "findings": 1,
-            "capacity": 2,
+            "simulate_capacity": 2,
             "capacity_table": 1,
             "answer_figures": 1,
             "overview": 1,
@@ -153,12 +153,12 @@ def test_default_config_plans_every_study(tmp_path, default_config):
     dry = snakemake(workdir, "-n", "--cores", "1", "all")
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert planned_jobs(dry) == {
-        "cell": 116,
+        "simulate_cell": 116,
         "step_time_sources": 6,
         "summarize": 6,
         "figures": 6,
         "findings": 6,
-        "capacity": 32,
+        "simulate_capacity": 32,
         "capacity_table": 6,
         "answer_figures": 6,
         "overview": 1,

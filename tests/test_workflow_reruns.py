@@ -134,7 +134,7 @@ def planned_cells(dry_run_stdout: str) -> set[str]:
     for line in dry_run_stdout.splitlines():
         if match := re.match(r"(?:local)?rule (\w+):$", line):
             rule = match.group(1)
-        elif rule == "cell" and (match := re.match(r"\s+output: (\S+)$", line)):
+        elif rule == "simulate_cell" and (match := re.match(r"\s+output: (\S+)$", line)):
             cells.add(match.group(1))
     return cells
 

@@ -16,7 +16,7 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -91,7 +91,7 @@ def probe_cell(cell: Cell, slo: Slo) -> capacity.Probe:
     if not _reusable(cell):
         log.info("probe %s", cell.path)
         run_cell(cell, cell.path)
-    row = aggregate.summary_row(cell.path, slo.per_request_ms())
+    row = aggregate.summary_row(cell.path, slo.per_request_ms(), with_intervals=False)
     verdict = slo.check(row)
     return capacity.Probe(
         cell.workload.qps, verdict.met, verdict.broken, row["output_throughput"], cell.path
@@ -194,6 +194,25 @@ def search_deployment(
 
 def write_deployment(document: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     write_text(path, json.dumps(document, indent=1, sort_keys=True) + "\n")
+
+
+def capacity_job(
+    cells_json: str,
+    slo_config: Mapping[str, Any],
+    settings: Mapping[str, Any],
+    simulated: Sequence[str],
+    output: str | os.PathLike[str],
+) -> None:
+    """One capacity job (rules/capacity.smk): the deployment's cells as JSON, the config's `slo`
+    and `capacity`; on a measured run ``simulated`` holds the simulator twin's capacity document
+    for the deployment, and the search starts from it."""
+    cells = [Cell.from_dict(data) for data in json.loads(cells_json)]
+    hint = None
+    if simulated:
+        with open(simulated[0], encoding="utf-8") as document:
+            hint = json.load(document)["capacity_rps"] or None
+    document = search_deployment(cells, Slo.from_config(slo_config), settings, hint)
+    write_deployment(document, output)
 
 
 TABLE_COLUMNS = (

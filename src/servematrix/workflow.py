@@ -1,4 +1,4 @@
-"""Glue between Snakemake and the package: the one config check, clean errors, script logging."""
+"""Glue between Snakemake and the package: the one config check, clean errors, job logging."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -101,10 +102,44 @@ def fail_on_config_error() -> Iterator[None]:
         sys.exit(1)
 
 
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_IN_PROCESS = threading.Lock()
+
+
+@contextlib.contextmanager
+def in_process_job(log_path: str) -> Iterator[logging.Logger]:
+    """A job that runs inside the Snakemake process: a simulated cell or capacity search (a
+    `run:` rule, which the default profile's ``force-use-threads`` runs in a thread, where a
+    script job would pay ~1 s for a new interpreter and its imports).
+
+    One such job at a time (the simulator is single-threaded Python and its step-time caches
+    are shared, so a second thread would only wait for the first); the package's log records
+    from this thread go to the job's log file, and so does the error that fails the job.
+    """
+    handler = logging.FileHandler(log_path, mode="w")
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+    thread = threading.get_ident()
+    handler.addFilter(lambda record: record.thread == thread)
+    logger = logging.getLogger("servematrix")
+    with _IN_PROCESS:
+        level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+        try:
+            yield logger
+        except Exception as error:
+            logger.error("job failed: %s", error, exc_info=True)
+            raise
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            handler.close()
+
+
 def log_to(path: str) -> logging.Logger:
     """Send the package's log records (and warnings) to a job's Snakemake log file."""
     handler = logging.FileHandler(path, mode="w")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
     terminal = logging.StreamHandler(sys.stderr)  # waits and warnings: the person watching
     terminal.addFilter(lambda record: for_terminal(record) and not record.exc_info)
     terminal.setFormatter(logging.Formatter("servematrix: %(message)s"))
