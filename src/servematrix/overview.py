@@ -19,7 +19,7 @@ from pathlib import Path
 import altair as alt
 import polars as pl
 
-from servematrix.figures import save_figure
+from servematrix.figures import save_figure, vega_bundle
 from servematrix.findings.common import Findings, Section, Table
 from servematrix.findings.recommend import config_names
 from servematrix.findings.render import html_table
@@ -136,13 +136,6 @@ class StudyPage:
     pareto: alt.TopLevelMixin
 
 
-def _vega_bundle() -> str:
-    """vega-embed with Vega and Vega-Lite, as Altair inlines it (no network at view time)."""
-    from altair.utils._importers import import_vl_convert, vl_version_for_vl_convert
-
-    return import_vl_convert().javascript_bundle(vl_version=vl_version_for_vl_convert())
-
-
 STYLE = (
     "body{font-family:sans-serif;margin:1.5em}"
     "table{border-collapse:collapse;font-size:0.85em;margin:0.5em 0}"
@@ -184,7 +177,7 @@ def overview_html(pages: Sequence[StudyPage], heading: str) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f"<title>{html.escape(heading)}</title>\n<style>{STYLE}</style>\n"
-        f'<script type="text/javascript">{_vega_bundle()}</script>\n</head>\n<body>\n'
+        f'<script type="text/javascript">{vega_bundle()}</script>\n</head>\n<body>\n'
         f"<h1>{html.escape(heading)}</h1>\n" + "\n".join(sections) + "\n"
         f'<script type="text/javascript">\n{calls}\n</script>\n</body>\n</html>\n'
     )

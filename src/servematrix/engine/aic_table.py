@@ -51,6 +51,7 @@ from servematrix.engine.architecture import (
     resolve_config_json,
 )
 from servematrix.engine.steptime import StepBatch, StepTimeModel
+from servematrix.files import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -289,8 +290,7 @@ def _query_grids(query: AicQuery) -> StepTable:
 
 def cache_dir() -> Path:
     """``$SERVEMATRIX_CACHE/steptime``, by default ``~/.cache/servematrix/steptime``."""
-    root = os.environ.get("SERVEMATRIX_CACHE") or Path.home() / ".cache" / "servematrix"
-    return Path(root) / "steptime"
+    return cache_root() / "steptime"
 
 
 def load_or_build_table(query: AicQuery, directory: Path | None = None) -> StepTable:

