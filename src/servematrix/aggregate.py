@@ -140,8 +140,12 @@ def summarize(
 
 
 def summary_row(
-    path: str | os.PathLike[str], slo_ms: Mapping[str, float] | None = None
+    path: str | os.PathLike[str],
+    slo_ms: Mapping[str, float] | None = None,
+    with_intervals: bool = True,
 ) -> dict[str, Any]:
+    """One trace's summary row; ``with_intervals=False`` leaves the bootstrap intervals null
+    (a capacity probe, judged on its statistics alone, would spend a third of its time on them)."""
     table = trace.read(path)
     cell = metrics.compute(table, slo_ms, source=path)
     metadata = trace.read_metadata(path)
@@ -158,7 +162,11 @@ def summary_row(
         **prefixstats.summary_columns(metadata.get("prefix_cache") or {}),
         **turn_summary(table, workload),
         **dict.fromkeys(intervals.INTERVAL_COLUMNS),
-        **intervals.bootstrap_columns(metrics.latencies_of(_served(table))),
+        **(
+            intervals.bootstrap_columns(metrics.latencies_of(_served(table)))
+            if with_intervals
+            else {}
+        ),
         "repeats": 1,
         "trace": os.fspath(path),
     }
