@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from servematrix import loadgen
-from servematrix.config import Workload
+from servematrix.matrix import Workload
 from servematrix.workload import build_requests
 
 HERE = Path(__file__).resolve().parent

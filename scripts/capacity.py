@@ -2,7 +2,7 @@
 import json
 
 from servematrix.capacity_run import search_deployment, write_deployment
-from servematrix.config import Cell
+from servematrix.matrix import Cell
 from servematrix.slo import Slo
 from servematrix.workflow import log_to
 

@@ -18,9 +18,9 @@ import aiohttp
 import numpy as np
 import pytest
 
-from servematrix.config import Workload
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import build_engine_setup
+from servematrix.matrix import Workload
 
 EMULATOR = str(Path(sys.executable).with_name("servematrix-emulator"))
 MODEL = "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from servematrix.config import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.engine.host import (
     V0_EAGER_HOST_COST,
     V0_HOST_COST,
@@ -16,6 +15,7 @@ from servematrix.engine.host import (
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import build_engine_setup
 from servematrix.engine.steptime import StepBatch
+from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.simulate import simulate
 
 

@@ -33,8 +33,8 @@ from typing import Any
 import yaml
 
 from servematrix import __version__, trace
-from servematrix.config import Workload
 from servematrix.engine.architecture import architecture_dir, shipped
+from servematrix.matrix import Workload
 from servematrix.trace import CellIdentity
 from servematrix.workload import TokenCounter, WorkloadError, build_requests
 

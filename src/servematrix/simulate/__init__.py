@@ -42,11 +42,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from servematrix.config import Cell
 from servematrix.engine.kvcache import KvMemoryPlan
 from servematrix.engine.setup import DEFAULT_GPU, EngineSetup, cell_engine_setup
 from servematrix.engine.steptime import StepTimeModel
 from servematrix.engine.transfer import NO_PROXY, ProxyHop
+from servematrix.matrix import Cell
 from servematrix.simulate.disagg import Disaggregated
 from servematrix.simulate.requests import Served, serve_or_refuse
 from servematrix.simulate.roundrobin import RoundRobin, round_robin_targets

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from servematrix.config import Cell
 from servematrix.engine.instance import DecodeRun, EngineInstance, StepResult
 from servematrix.engine.setup import EngineSetup
 from servematrix.engine.transfer import (
@@ -26,6 +25,7 @@ from servematrix.engine.transfer import (
     kv_bytes_per_token_per_rank,
     kv_link,
 )
+from servematrix.matrix import Cell
 from servematrix.simulate.events import (
     ARRIVE,
     ARRIVE_DECODE,
