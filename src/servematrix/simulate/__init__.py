@@ -39,7 +39,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from servematrix.engine.kvcache import KvMemoryPlan
@@ -147,10 +147,7 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None, one_queue: bool) -> S
             )
             records = driver.run(sends)
     else:
-        hop = replace(
-            NO_PROXY if cell.mode.instances == 1 else ProxyHop(),
-            api_server_ms=setup.host.request_latency_ms,
-        )
+        hop = NO_PROXY if cell.mode.instances == 1 else ProxyHop()
         driver = RoundRobin(cell, instances, hop, lengths, served, turns)
         records = driver.run(sends)
     parameters = _parameters(cell, setup, driver)
