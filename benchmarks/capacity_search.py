@@ -28,14 +28,15 @@ from pathlib import Path
 
 from servematrix import capacity, capacity_run, config
 from servematrix.deploy.order import stop_deployments
+from servematrix.matrix import Config
 from servematrix.workflow import check_config
 
 
-def _settings(cfg: config.Config) -> dict:
+def _settings(cfg: Config) -> dict:
     return dict(cfg.raw["capacity"])
 
 
-def simulator_table(cfg: config.Config) -> None:
+def simulator_table(cfg: Config) -> None:
     print(f"{'study':<16} {'model':<30} {'mode':<14} {'in':>5} {'capacity':>9} "
           f"{'bracket':>17} {'probes':>6} {'config':>6} {'wall s':>7}")  # fmt: skip
     total_s, total_probes, seen = 0.0, 0, set()
@@ -57,7 +58,7 @@ def simulator_table(cfg: config.Config) -> None:
     print(f"{len(seen)} deployments, {total_probes} probes (cells), {total_s:.1f} s in all")
 
 
-def emulator_table(cfg: config.Config, study: str, scratch: Path) -> None:
+def emulator_table(cfg: Config, study: str, scratch: Path) -> None:
     """Blind vs simulated-then-confirmed searches on the emulator, one deployment at a time."""
     twin = check_config({**cfg.raw, "backend": "simulator"})
     measured = check_config({**cfg.raw, "backend": "emulator"})

@@ -21,9 +21,9 @@ from pathlib import Path
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from servematrix import config
-from servematrix.config import MODES
 from servematrix.deploy.dryrun import find_cell
 from servematrix.deploy.recipes import plan
+from servematrix.matrix import MODES
 
 
 def vllm_parser():

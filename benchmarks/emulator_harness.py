@@ -19,10 +19,11 @@ from pathlib import Path
 
 from servematrix import loadgen
 from servematrix.cell import identity
-from servematrix.config import MODES, Cell, Serving, Workload, load_file
+from servematrix.config import load_file
 from servematrix.deploy import plan
 from servematrix.deploy.supervise import Deployment, port_problem
 from servematrix.engine.architecture import load_architecture
+from servematrix.matrix import MODES, Cell, Serving, Workload
 from servematrix.metrics import CellMetrics, compute
 from servematrix.trace import RequestRecord, to_table
 from servematrix.workload import build_requests

@@ -36,7 +36,7 @@ from emulator_harness import cell_for, table
 
 from servematrix import trace
 from servematrix.cell import run_cell
-from servematrix.config import Serving
+from servematrix.matrix import Serving
 
 MODEL = "Qwen2.5-7B-Instruct-GPTQ-Int4"
 DEFAULT = Serving(10_000, 0.8)

@@ -51,9 +51,9 @@ from emulator_harness import (
 )
 
 from servematrix import loadgen
-from servematrix.config import Cell
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import build_engine_setup
+from servematrix.matrix import Cell
 from servematrix.simulate import simulate
 from servematrix.trace import RequestRecord
 

@@ -53,14 +53,16 @@ from emulator_harness import (
     table,
 )
 
-from servematrix.config import MODES
 from servematrix.engine.transfer import ProxyHop
+from servematrix.matrix import MODES
 from servematrix.simulate import simulate
 from servematrix.trace import RequestRecord
 
 MODEL = "Qwen2.5-7B-Instruct-GPTQ-Int4"
 RECIPES = ("v0", "v1")
 MODE_ORDER = ("single", "nondisagg", "chunked", "mooncake-rdma", "mooncake-tcp")
+VIEWS = ("client-observed", "engine-side")
+"""A cell seen by the load generator's records, and by the engines' own clocks."""
 
 
 def entries(run: Emulation, disaggregated: bool) -> list[tuple[dict, dict] | None]:
@@ -141,7 +143,8 @@ def central(deviations: dict[str, float]) -> float:
     return max(deviations["mean"], deviations["median"])
 
 
-def main() -> None:
+def _arguments() -> tuple[argparse.Namespace, list[str], list[str]]:
+    """The command line, and the modes and recipes it names (an unknown one is an error)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="30 prompts")
     parser.add_argument("--num-prompts", type=int, default=None)
@@ -154,6 +157,54 @@ def main() -> None:
         unknown = [value for value in given if value not in known]
         if unknown:
             parser.error(f"{name}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    return args, modes, recipes
+
+
+def _tables(
+    label_header: list[str],
+    header: list[str],
+    rows: dict[str, list[list[str]]],
+    summary_rows: list[list[str]],
+    path_rows: list[list[str]],
+) -> None:
+    """The four tables: both views of the metrics, the summary per cell, the HTTP and KV path."""
+    table("client-observed (the load generator's records) vs simulator", header, rows[VIEWS[0]])
+    table(
+        "engine-side (first instance reads the request -> engine step produces the token; "
+        "the emulators' own clocks) vs simulator less its modelled proxy hops",
+        header,
+        rows[VIEWS[1]],
+    )
+    table(
+        "largest |ratio - 1| per cell, over TTFT/TPOT/ITL: means and medians / P99",
+        [
+            *label_header,
+            "client-observed",
+            "engine-side",
+            "failed",
+            "wall s",
+            "start-up s",
+            "load avg",
+        ],
+        summary_rows,
+    )
+    table(
+        "HTTP and KV path, ms: simulator's modelled hop, then P50 / P99 of the emulated cell",
+        [
+            *label_header,
+            "modelled in / out per chunk",
+            "client send -> instance read",
+            "1st token -> chunk written",
+            "written -> client read",
+            "decode read -> 1st token",
+            "prefill 1st token -> decode 1st",
+        ],
+        path_rows,
+    )
+
+
+def main() -> None:
+    args, modes, recipes = _arguments()
     num_prompts = args.num_prompts or (30 if args.quick else 100)
     print(
         f"emulator vs simulator per mode: {MODEL}, TP 1, {GPU}, input 1024, output 6, "
@@ -163,10 +214,9 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
     label_header = ["recipe", "mode"]
     header = label_header + [f"{m} {s}" for m in METRICS for s in STATS]
-    views = ("client-observed", "engine-side")
-    rows: dict[str, list[list[str]]] = {view: [] for view in views}
+    rows: dict[str, list[list[str]]] = {view: [] for view in VIEWS}
     summary_rows, path_rows = [], []
-    worst = {view: dict.fromkeys(STATS, 0.0) for view in views}
+    worst = {view: dict.fromkeys(STATS, 0.0) for view in VIEWS}
     for recipe in recipes:
         for mode in modes:
             disaggregated = MODES[mode].disaggregated
@@ -198,46 +248,14 @@ def main() -> None:
             modelled = f"{hop.request_ms:g} / {hop.chunk_ms:g}"
             path_rows.append([*label, modelled, *paths(run, disaggregated)])
             print(f"{recipe} {mode}: done in {elapsed:.0f} s", flush=True)
-    table("client-observed (the load generator's records) vs simulator", header, rows[views[0]])
-    table(
-        "engine-side (first instance reads the request -> engine step produces the token; "
-        "the emulators' own clocks) vs simulator less its modelled proxy hops",
-        header,
-        rows[views[1]],
-    )
-    table(
-        "largest |ratio - 1| per cell, over TTFT/TPOT/ITL: means and medians / P99",
-        [
-            *label_header,
-            "client-observed",
-            "engine-side",
-            "failed",
-            "wall s",
-            "start-up s",
-            "load avg",
-        ],
-        summary_rows,
-    )
-    table(
-        "HTTP and KV path, ms: simulator's modelled hop, then P50 / P99 of the emulated cell",
-        [
-            *label_header,
-            "modelled in / out per chunk",
-            "client send -> instance read",
-            "1st token -> chunk written",
-            "written -> client read",
-            "decode read -> 1st token",
-            "prefill 1st token -> decode 1st",
-        ],
-        path_rows,
-    )
+    _tables(label_header, header, rows, summary_rows, path_rows)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
     print(
         "largest |ratio - 1| over every cell: "
         + "; ".join(
             f"{view} {central(worst[view]) * 100:.1f} % "
             f"(means, medians), {worst[view]['p99'] * 100:.1f} % (P99)"
-            for view in views
+            for view in VIEWS
         )
     )
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from servematrix.cell import identity
-from servematrix.config import MODES, Cell, ModelSpec, ModeSpec, Serving, Workload
+from servematrix.matrix import MODES, Cell, ModelSpec, ModeSpec, Serving, Workload
 from servematrix.metrics import CellMetrics, compute
 from servematrix.simulate import simulate
 from servematrix.trace import to_table

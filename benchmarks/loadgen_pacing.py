@@ -5,7 +5,7 @@
 Runs `servematrix.loadgen` in this process against ``benchmarks/fixed_latency_server.py``
 (started here on a free port: first chunk after 5 ms, then a chunk every 2 ms) with the random
 dataset (1024-token prompts, 6 output tokens), Poisson arrivals, for each QPS, client
-(``loadgen.CLIENTS``: the default aiohttp session, or ``openai.AsyncOpenAI``) and pacing:
+(``senders.CLIENTS``: the default aiohttp session, or ``openai.AsyncOpenAI``) and pacing:
 
 * ``timer``: ``asyncio.sleep`` to the send instant alone (``loadgen.SPIN_S = 0``), which
   wakes up to a millisecond late (epoll's timeout is whole milliseconds);
@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from servematrix import loadgen
-from servematrix.config import Workload
+from servematrix.matrix import Workload
 from servematrix.workload import build_requests
 
 HERE = Path(__file__).resolve().parent

@@ -70,7 +70,7 @@ for _variable in THREAD_VARIABLES:  # before numpy is imported (it is, lazily, i
     os.environ[_variable] = "1"
 
 if TYPE_CHECKING:
-    from servematrix.config import Cell, Config
+    from servematrix.matrix import Cell, Config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "config" / "config.yaml"

@@ -108,8 +108,12 @@ def measure(config: Path, cores: int, workdir: Path) -> list[Step]:
         workdir, *cores_arg, "--forcerun", *rules, "--until", *rules, "--", "all"
     )
     steps.append(
-        Step(f"forced re-simulation ({', '.join(rules)})", wall_s, _job_count(run),
-             RESIMULATION_TARGET_S)
+        Step(
+            f"forced re-simulation ({', '.join(rules)})",
+            wall_s,
+            _job_count(run),
+            RESIMULATION_TARGET_S,
+        )
     )
     return steps
 
@@ -128,12 +132,16 @@ def main(argv: list[str] | None = None) -> None:
             args.fingerprints.write_text(json.dumps(prints, indent=1, sort_keys=True) + "\n")
             print(f"{len(prints)} trace fingerprints written to {args.fingerprints}")
         shutil.rmtree(workdir / ".snakemake", ignore_errors=True)
-    print(f"\nmachine: {platform.node()}, {platform.processor() or platform.machine()}, "
-          f"config {args.config.name}\n")
+    print(
+        f"\nmachine: {platform.node()}, {platform.processor() or platform.machine()}, "
+        f"config {args.config.name}\n"
+    )
     print("| step | wall s | jobs | target |\n|---|---:|---:|---|")
     for step in steps:
-        target = "" if step.target_s is None else (
-            f"< {step.target_s:.0f} s: {'met' if step.wall_s < step.target_s else 'NOT met'}"
+        target = (
+            ""
+            if step.target_s is None
+            else (f"< {step.target_s:.0f} s: {'met' if step.wall_s < step.target_s else 'NOT met'}")
         )
         print(f"| {step.name} | {step.wall_s:.1f} | {step.jobs} | {target} |")
 

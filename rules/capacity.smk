@@ -17,7 +17,7 @@ rule simulate_capacity:
         slo=get_slo,
         settings=get_capacity_settings,
     wildcard_constraints:
-        backend=sb_config.PREDICTING_BACKEND,
+        backend=matrix.PREDICTING_BACKEND,
     run:
         with in_process_job(log[0]):
             capacity_job(params.cells, params.slo, params.settings, [], output[0])

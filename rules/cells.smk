@@ -6,8 +6,6 @@ import atexit
 import json
 
 from servematrix.cell import run_cell
-from servematrix.config import PREDICTING_BACKEND, Cell
-
 from servematrix.deploy.order import (
     deployment_group,
     deployment_groups,
@@ -15,6 +13,7 @@ from servematrix.deploy.order import (
     pinned_gpu_count,
     stop_deployments,
 )
+from servematrix.matrix import PREDICTING_BACKEND, Cell
 from servematrix.workflow import in_process_job, stop_jobs_on_interrupt
 
 

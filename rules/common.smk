@@ -4,8 +4,7 @@ import json
 import sys
 from pathlib import Path
 
-from servematrix import capacity_run
-from servematrix import config as sb_config
+from servematrix import capacity_run, matrix
 from servematrix.cell import AVAILABLE_BACKENDS
 from servematrix.identity import cell_identity
 from servematrix.workflow import fail_on_config_error, predicted_config, workflow_config
@@ -13,7 +12,7 @@ from servematrix.workflow import fail_on_config_error, predicted_config, workflo
 # Snakemake's own `config` is not used: the workflow re-reads the config file (the
 # --configfile ones if given, else config/config.yaml, never both merged) with the same
 # loader and checks as `servematrix check`, then applies the --config overrides. RUN_CONFIG is
-# that validated config (servematrix.config.Config), PREDICTED its simulator twin.
+# that validated config (servematrix.matrix.Config), PREDICTED its simulator twin.
 with fail_on_config_error():
     RUN_CONFIG = workflow_config(
         workflow.config_settings.configfiles,
@@ -27,7 +26,7 @@ def get_predicted_config():
     engine cannot model the config; a measured run never fails for want of a prediction."""
     try:
         return predicted_config(RUN_CONFIG)
-    except sb_config.ConfigError as error:
+    except matrix.ConfigError as error:
         print(f"servematrix: no simulator prediction to compare with: {error}", file=sys.stderr)
         return None
 
@@ -43,25 +42,25 @@ config.update(RUN_CONFIG.raw)
 STUDIES = RUN_CONFIG.studies
 FIGURES = ("ttft", "tpot", "itl", "throughput", "memory")
 COMPARED_FIGURES = ("ttft", "tpot", "itl", "throughput")  # servematrix.compare.COMPARED_FIGURES
-# The workload's file name is spelled by servematrix.config.workload_token alone.
+# The workload's file name is spelled by servematrix.matrix.workload_token alone.
 CELL_PATTERN = "{recipe}/{model}/{mode}/{workload}"
 
 
 # A rule per kind of job where the kinds run differently (rules/cells.smk, capacity.smk).
-MEASURED_BACKENDS = sb_config.wildcard_pattern(
-    [backend for backend in AVAILABLE_BACKENDS if backend != sb_config.PREDICTING_BACKEND]
+MEASURED_BACKENDS = matrix.wildcard_pattern(
+    [backend for backend in AVAILABLE_BACKENDS if backend != matrix.PREDICTING_BACKEND]
 )
 
 
 wildcard_constraints:
-    backend=sb_config.wildcard_pattern(
+    backend=matrix.wildcard_pattern(
         [RUN_CONFIG.backend, *([PREDICTED.backend] if PREDICTED is not None else [])]
     ),
-    recipe=sb_config.wildcard_pattern(sb_config.RECIPES),
-    model=sb_config.wildcard_pattern(RUN_CONFIG.models),
-    mode=sb_config.wildcard_pattern(sb_config.MODES),
-    study=sb_config.wildcard_pattern(STUDIES),
-    workload=sb_config.WORKLOAD_TOKEN_PATTERN,
+    recipe=matrix.wildcard_pattern(matrix.RECIPES),
+    model=matrix.wildcard_pattern(RUN_CONFIG.models),
+    mode=matrix.wildcard_pattern(matrix.MODES),
+    study=matrix.wildcard_pattern(STUDIES),
+    workload=matrix.WORKLOAD_TOKEN_PATTERN,
     deployment=r"in\d+_out\d+_n\d+(_[A-Za-z0-9.+-]+)*",
 
 
@@ -183,7 +182,7 @@ def deployment_cells(wildcards):
     cells = capacity_run.deployments(config_of(wildcards.backend).all_cells()).get(path)
     if not cells:
         with fail_on_config_error():
-            raise sb_config.ConfigError("studies", f"no study in the config has deployment {path}")
+            raise matrix.ConfigError("studies", f"no study in the config has deployment {path}")
     return cells
 
 

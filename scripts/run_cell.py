@@ -14,7 +14,7 @@ if _SRC.is_dir() and str(_SRC) not in sys.path:
     )
 
 from servematrix.cell import CellError, run_cell  # noqa: E402
-from servematrix.config import Cell  # noqa: E402
+from servematrix.matrix import Cell  # noqa: E402
 from servematrix.workflow import interruption, log_to  # noqa: E402
 
 logger = log_to(snakemake.log[0])

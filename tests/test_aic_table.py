@@ -15,13 +15,13 @@ import pytest
 
 from servematrix import trace
 from servematrix.cell import run_cell
-from servematrix.config import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.engine import aic_table
 from servematrix.engine import setup as engine_setup
 from servematrix.engine.aic_table import AicStepTime, StepTimeFallback, select_step_time_model
 from servematrix.engine.architecture import Architecture, load_architecture
 from servematrix.engine.setup import build_engine_setup
 from servematrix.engine.steptime import StepBatch
+from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
 
 A100 = "A100-SXM4-80GB"
 QWEN_7B = load_architecture("qwen2.5-7b")

@@ -21,6 +21,7 @@ import yaml
 
 from servematrix import cli, config
 from servematrix.engine import architecture
+from servematrix.matrix import ConfigError
 from servematrix.workflow import check_config
 from tests.conftest import ROOT, SMALL_CONFIG
 
@@ -275,7 +276,7 @@ def test_a_cell_just_under_the_ceiling_is_accepted(backend, fits):
     cfg["defaults"]["num_prompts"] = fits - 1  # plus the one warm-up request
     config.load(cfg)
     cfg["defaults"]["num_prompts"] = fits
-    with pytest.raises(config.ConfigError, match=f"at most {fits:,} requests"):
+    with pytest.raises(ConfigError, match=f"at most {fits:,} requests"):
         config.load(cfg)
 
 
@@ -284,7 +285,7 @@ def test_a_cell_of_one_huge_request_names_the_input_length():
     cfg["backend"] = "emulator"
     cfg["defaults"]["max_model_len"] = 10**9
     cfg["studies"]["sizes"]["input_len"] = [10**8]
-    with pytest.raises(config.ConfigError) as caught:
+    with pytest.raises(ConfigError) as caught:
         config.load(cfg)
     assert caught.value.key_path == "studies.sizes.input_len"
 
@@ -293,7 +294,7 @@ def test_a_model_the_engine_cannot_start_is_refused_before_its_job():
     """vLLM's own start-up refusals, on the backends whose server is the engine model."""
     cfg = copy.deepcopy(SMALL_CONFIG)
     cfg["defaults"].update(max_model_len=30_000, gpu_memory_utilization=0.085)
-    with pytest.raises(config.ConfigError) as caught:
+    with pytest.raises(ConfigError) as caught:
         check_config(cfg)
     assert str(caught.value).startswith(
         "config error at studies.disagg.models[0]: Qwen2.5-7B-Instruct-GPTQ-Int4 (gptq-int4) on "
@@ -301,7 +302,7 @@ def test_a_model_the_engine_cannot_start_is_refused_before_its_job():
     )
     cfg = copy.deepcopy(SMALL_CONFIG)
     cfg["defaults"]["max_num_batched_tokens"] = 100
-    with pytest.raises(config.ConfigError) as caught:
+    with pytest.raises(ConfigError) as caught:
         check_config(cfg)
     assert caught.value.key_path == "defaults.max_num_batched_tokens"
 

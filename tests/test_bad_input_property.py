@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from servematrix import cli, config
 from servematrix.engine import architecture
+from servematrix.matrix import MODES, WORKLOAD_TOKEN_PATTERN, Config
 from tests.conftest import ROOT, SMALL_CONFIG
 from tests.workflow_helpers import copy_workflow, planned_jobs, snakemake
 
@@ -49,9 +50,7 @@ PLAUSIBLE: dict[tuple[str, ...], st.SearchStrategy] = {
     ("studies", "sizes", "qps"): number_list,
     ("studies", "sizes", "input_len"): st.lists(st.integers(1, 20_000), min_size=1, max_size=3),
     ("studies", "sizes", "models"): st.lists(st.sampled_from(MODELS), min_size=1, max_size=2),
-    ("studies", "sizes", "modes"): st.lists(
-        st.sampled_from(sorted(config.MODES)), min_size=1, max_size=3
-    ),
+    ("studies", "sizes", "modes"): st.lists(st.sampled_from(sorted(MODES)), min_size=1, max_size=3),
     ("studies", "disagg", "qps"): number_list,
     ("studies", "disagg", "workload"): st.dictionaries(
         st.sampled_from(["num_prompts", "output_len", "seed", "warmup_requests"]),
@@ -86,7 +85,7 @@ edits = st.lists(edit(), min_size=1, max_size=3)
 
 CELL_PATH = re.compile(
     rf"results/simulator/cells/v[01]/[A-Za-z0-9][A-Za-z0-9._-]*/[a-z-]+/"
-    rf"({config.WORKLOAD_TOKEN_PATTERN})\.parquet"
+    rf"({WORKLOAD_TOKEN_PATTERN})\.parquet"
 )
 
 
@@ -102,7 +101,7 @@ def edited(changes: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
     return cfg
 
 
-def assert_accepted_or_one_line(path: Path, capsys) -> config.Config | None:
+def assert_accepted_or_one_line(path: Path, capsys) -> Config | None:
     code = cli.main(["check", str(path)])
     out, err = capsys.readouterr()
     if code != 0:

@@ -23,7 +23,7 @@ from servematrix.compare import (
     ratios_html,
     summarize_ratios,
 )
-from servematrix.config import MODES, Cell, ConfigError, ModelSpec, Serving, Workload
+from servematrix.matrix import MODES, Cell, ConfigError, ModelSpec, Serving, Workload
 from servematrix.steptimes import SetupStepTimes, step_time_sentences, write_step_times
 from servematrix.workflow import check_config, predicted_config
 from tests.conftest import SMALL_CONFIG

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from servematrix import config
-from servematrix.config import ConfigError
+from servematrix.matrix import WORKLOAD_TOKEN_PATTERN, Cell, ConfigError, wildcard_pattern
 
 
 def test_default_config_has_every_study_of_the_design(default_config):
@@ -64,7 +64,7 @@ def test_a_model_can_force_its_recipe(default_config):
 
 def test_cell_round_trips_through_a_dict(small_config):
     cell = config.load(small_config).studies["disagg"].cells[3]
-    assert config.Cell.from_dict(cell.to_dict()) == cell
+    assert Cell.from_dict(cell.to_dict()) == cell
 
 
 def _break(cfg, path, value):
@@ -124,7 +124,7 @@ def test_shared_cell_with_conflicting_settings_is_rejected(small_config):
 def test_wildcard_pattern_escapes_names():
     import re
 
-    pattern = config.wildcard_pattern(["Qwen2.5-7B", "Qwen2.5-7B-GPTQ"])
+    pattern = wildcard_pattern(["Qwen2.5-7B", "Qwen2.5-7B-GPTQ"])
     assert re.fullmatch(pattern, "Qwen2.5-7B-GPTQ")
     assert not re.fullmatch(pattern, "Qwen2x5-7B")
 
@@ -134,7 +134,7 @@ def test_qps_inf_is_a_load_spelled_qpsinf(small_config):
     cells = config.load(small_config).studies["disagg"].cells
     assert cells[1].workload.qps == float("inf")
     assert cells[1].path.endswith("/nondisagg/qpsinf_in1024_out6_n20_s0.parquet")
-    assert config.Cell.from_dict(json.loads(json.dumps(cells[1].to_dict()))) == cells[1]
+    assert Cell.from_dict(json.loads(json.dumps(cells[1].to_dict()))) == cells[1]
 
 
 WORKLOAD_ERRORS = [
@@ -254,7 +254,7 @@ def test_non_default_workloads_get_their_own_path(small_config, tmp_path, settin
         "results/simulator/cells/v0/Qwen2.5-7B-Instruct-GPTQ-Int4/single/"
         f"qps4_in512_out6_n20_s0{suffix}.parquet"
     )
-    assert re.fullmatch(config.WORKLOAD_TOKEN_PATTERN, Path(path).stem)
+    assert re.fullmatch(WORKLOAD_TOKEN_PATTERN, Path(path).stem)
     assert cfg.cell_at(path) == cfg.studies["sizes"].cells[0]
 
 

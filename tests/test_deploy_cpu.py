@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from servematrix import config
-from servematrix.config import ConfigError
 from servematrix.deploy import command, gpulock, memory
 from servematrix.deploy.recipes import cpu_bind, plan
 from servematrix.deploy.supervise import DeployError
+from servematrix.matrix import ConfigError
 from servematrix.workflow import check_config
 
 EXAMPLE = config.SCHEMA_PATH.parent / "examples" / "vllm-cpu.yaml"

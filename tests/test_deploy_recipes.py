@@ -12,6 +12,7 @@ import pytest
 from servematrix import config
 from servematrix.deploy.dryrun import find_cell
 from servematrix.deploy.recipes import plan
+from servematrix.matrix import ConfigError
 
 M72 = "Qwen/Qwen2.5-72B-Instruct"
 V0_SERVER = "python3 -m vllm.entrypoints.openai.api_server"
@@ -282,7 +283,7 @@ def test_dry_run_names_an_unknown_model():
 def test_dry_run_does_not_override_a_models_forced_recipe(default_config):
     """Command R7B forces v1 (vLLM 0.6 cannot run it): --recipe v0 is an error, not a v0 plan."""
     cfg = config.load(default_config)
-    with pytest.raises(config.ConfigError) as caught:
+    with pytest.raises(ConfigError) as caught:
         find_cell(cfg, "c4ai-command-r7b-12-2024", "single", "v0")
     assert str(caught.value) == (
         "config error at --recipe: model c4ai-command-r7b-12-2024 forces recipe v1 in every "
@@ -337,7 +338,7 @@ def test_kv_offloading_reaches_v1_servers_and_is_refused_where_it_is_not_modelle
                                                 "--kv-offloading-backend", "native")  # fmt: skip
     refused = (("v0", "nondisagg", "needs recipe v1"), ("v1", "mooncake-rdma", "disaggregated"))
     for recipe, mode, message in refused:
-        with pytest.raises(config.ConfigError) as error:
+        with pytest.raises(ConfigError) as error:
             config.load({**raw, "studies": {"offload": study(recipe, mode)}})
         assert error.value.key_path == "studies.offload.workload.kv_offloading_size"
         assert message in str(error.value)

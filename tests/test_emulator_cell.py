@@ -18,10 +18,10 @@ import pytest
 
 from servematrix import trace
 from servematrix.cell import _modelled_layout, run_cell
-from servematrix.config import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.deploy import warm
 from servematrix.deploy.recipes import plan
 from servematrix.deploy.supervise import port_problem
+from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
 
 pytestmark = pytest.mark.slow
 

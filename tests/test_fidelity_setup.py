@@ -18,9 +18,10 @@ import pytest
 import yaml
 
 from servematrix.cell import identity
-from servematrix.config import RECIPES, SCHEMA_PATH, Cell
+from servematrix.config import SCHEMA_PATH
 from servematrix.engine.architecture import load_architecture
 from servematrix.engine.hardware import gpu_spec
+from servematrix.matrix import RECIPES, Cell
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "fidelity.py"

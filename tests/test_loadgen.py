@@ -309,10 +309,10 @@ def test_open_file_limit_is_raised_for_the_sockets_in_flight():
     """A soft limit of 256 with 1000 requests in flight would fail with EMFILE."""
     code = (
         "import resource\n"
-        "from servematrix import loadgen\n"
+        "from servematrix import senders\n"
         "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
-        "loadgen._raise_file_limit(1000)\n"
+        "senders.raise_file_limit(1000)\n"
         "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

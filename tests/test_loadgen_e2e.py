@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from servematrix import loadgen, trace
-from servematrix.config import Workload
+from servematrix.matrix import Workload
 from servematrix.workload import build_requests
 
 BIN = Path(sys.executable).parent

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from servematrix import config
-from servematrix.config import Cell, Workload
 from servematrix.deploy.recipes import plan
 from servematrix.emulator.prefixes import request_fields
+from servematrix.matrix import Cell, ConfigError, Workload
 from servematrix.simulate import engine_setup, simulate
 from servematrix.workload import TokenCounter, build_requests
 
@@ -102,7 +102,7 @@ def test_v1_asks_for_caching_where_it_turned_it_off_v0_after_the_published_line(
 
 def test_prefix_caching_must_be_a_boolean(small_config):
     small_config["defaults"]["prefix_caching"] = "yes"
-    with pytest.raises(config.ConfigError) as error:
+    with pytest.raises(ConfigError) as error:
         config.load(small_config)
     assert error.value.key_path == "defaults.prefix_caching"
 
@@ -169,7 +169,7 @@ def test_prefix_groups_need_random_prompts_with_a_prefix(small_config, tmp_path)
 
     for workload in ({"prefix_groups": 2}, {"dataset": "sonnet", "prefix_len": 600,
                      "dataset_path": sonnet_file(tmp_path), "prefix_groups": 2}):  # fmt: skip
-        with pytest.raises(config.ConfigError) as error:
+        with pytest.raises(ConfigError) as error:
             cells(copy.deepcopy(small_config), "v1", False, **workload)
         assert error.value.key_path == "studies.apc.workload.prefix_groups"
         assert "random dataset with a prefix_len" in str(error.value)

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from servematrix import config, replay
-from servematrix.config import Workload
+from servematrix.matrix import ConfigError, Workload
 from servematrix.replay import TraceRequest
 from servematrix.simulate import simulate
 from servematrix.workload import WorkloadError, build_requests, measured_sends, request_lengths
@@ -132,7 +132,7 @@ def test_a_bad_trace_line_is_named_by_file_and_line(tmp_path, small_config, text
     with pytest.raises(WorkloadError, match=re.escape(message)):
         request_lengths(trace_workload(str(path), 1))
     # servematrix check and the workflow load the config the same way: one error naming it.
-    with pytest.raises(config.ConfigError) as error:
+    with pytest.raises(ConfigError) as error:
         config.load(trace_config(small_config, str(path), num_prompts=1))
     assert error.value.key_path == "studies.trace.workload.dataset_path"
     assert f"{path} {message}" in str(error.value)
@@ -166,7 +166,7 @@ def test_a_trace_cell_is_named_by_its_trace_and_refuses_warmups(small_config):
     assert "_mooncake-mooncake-conversation-1000_" in cell.path
     assert "trace_timing" not in cell.to_dict()["workload"]  # defaults left out
     small_config["studies"]["trace"]["workload"]["warmup_requests"] = 1
-    with pytest.raises(config.ConfigError, match="must be 0 for the mooncake dataset"):
+    with pytest.raises(ConfigError, match="must be 0 for the mooncake dataset"):
         config.load(small_config)
     small_config["studies"]["trace"]["workload"] |= {"warmup_requests": 0, "trace_start_s": 3}
     cell = config.load(small_config).all_cells()[0]
@@ -271,7 +271,7 @@ def test_an_emulator_cell_records_its_servers_hits_beside_the_best_possible(tmp_
 
     from servematrix import trace
     from servematrix.cell import run_cell
-    from servematrix.config import Serving
+    from servematrix.matrix import Serving
     from tests.test_emulator_cell import _cell
 
     # One request at a time (max_concurrency 1), so both backends route them in the same order.

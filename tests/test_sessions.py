@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from servematrix import sessions
-from servematrix.config import ConfigError, load_file
+from servematrix.config import load_file
+from servematrix.matrix import ConfigError
 from servematrix.simulate import simulate
 from servematrix.workload import build_requests, session_plan
 

@@ -11,8 +11,8 @@ import pytest
 
 import servematrix.simulate as simulate_module
 import servematrix.simulate.v1 as simulate_v1
-from servematrix.config import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.engine.kvcache import ModelDoesNotFitError
+from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.simulate import round_robin_targets, simulate
 
 GPTQ_7B = ModelSpec(
@@ -262,7 +262,8 @@ def raw_config(mode: str, gpus: list[list[int]]) -> dict:
 
 
 def test_engine_and_serving_knobs_are_validated_with_key_paths():
-    from servematrix.config import ConfigError, load
+    from servematrix.config import load
+    from servematrix.matrix import ConfigError
 
     raw = raw_config("single", [[0]])
     raw["engine"] = {"kv_link": {"nics": 0}}

@@ -9,12 +9,12 @@ import threading
 import pytest
 
 from servematrix.cell import _modelled_layout, _run_simulator
-from servematrix.config import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.deploy.memory import sampled
 from servematrix.deploy.recipes import Health, Plan, Process, plan
 from servematrix.emulator import cli as emulator_cli
 from servematrix.engine.hardware import gpu_spec
 from servematrix.engine.kvcache import BlockPool
+from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.simulate import simulate
 
 GPTQ_7B = ModelSpec(

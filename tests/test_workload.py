@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servematrix.config import Workload
+from servematrix.matrix import Workload
 from servematrix.schedule import arrival_times
 from servematrix.workload import (
     SONNET_BASE_PROMPT,

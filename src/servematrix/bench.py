@@ -33,8 +33,8 @@ from typing import Any
 import yaml
 
 from servematrix import __version__, trace
-from servematrix.config import Workload
 from servematrix.engine.architecture import architecture_dir, shipped
+from servematrix.matrix import Workload
 from servematrix.trace import CellIdentity
 from servematrix.workload import TokenCounter, WorkloadError, build_requests
 
@@ -122,7 +122,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="give up sooner when its port refuses every connection this long",
     )
     bench.add_argument(
-        "--client", choices=("aiohttp", "openai"), default="aiohttp", help="see loadgen.CLIENTS"
+        "--client", choices=("aiohttp", "openai"), default="aiohttp", help="see senders.CLIENTS"
     )
     bench.add_argument("--vocab-size", type=int, help="random token ids are below this")
     bench.add_argument("--tokenizer", help="tokenizer.json or model directory for text prompts")

@@ -25,8 +25,8 @@ import polars as pl
 
 from servematrix import aggregate, capacity, intervals, trace
 from servematrix.cell import run_cell
-from servematrix.config import Cell, Config, workload_token
 from servematrix.files import write_text
+from servematrix.matrix import Cell, Config, workload_token
 from servematrix.slo import Slo
 
 log = logging.getLogger(__name__)

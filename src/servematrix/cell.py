@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from servematrix import __version__, prefixstats, trace
-from servematrix.config import Cell, ConfigError
+from servematrix.matrix import Cell, ConfigError
 from servematrix.trace import CellIdentity, RequestRecord
 
 if TYPE_CHECKING:

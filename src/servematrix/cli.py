@@ -13,6 +13,7 @@ from typing import NoReturn
 
 from servematrix import bench, config, metrics, trace
 from servematrix.deploy import dryrun as deploy_dryrun
+from servematrix.matrix import ConfigError, gpus_needed
 
 LATENCY_ROWS = (
     ("Time to First Token", "ttft"),
@@ -30,7 +31,7 @@ def _check(args: argparse.Namespace) -> int:
     for name, study in cfg.studies.items():
         print(f"{name}: {len(study.cells)} cells ({study.recipe}, x = {study.x})")
     print(f"{len(cfg.all_cells())} distinct cells on backend {cfg.backend}")
-    gpus = config.gpus_needed(cfg)
+    gpus = gpus_needed(cfg)
     pinned = ", ".join(map(str, gpus)) or "none"
     if cfg.raw.get("node", {}).get("kind") == "cpu":
         print(f"CPU cores pinned: {pinned}")
@@ -55,7 +56,7 @@ def _overrides(entries: list[str]) -> dict:
     try:
         return parse_config(entries)
     except ValueError as error:
-        raise config.ConfigError("--config", str(error)) from None
+        raise ConfigError("--config", str(error)) from None
 
 
 def _metrics(args: argparse.Namespace) -> int:
@@ -134,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.run(args)
-    except (config.ConfigError, trace.TraceError, metrics.MetricsError) as error:
+    except (ConfigError, trace.TraceError, metrics.MetricsError) as error:
         print(f"servematrix: {error}", file=sys.stderr)
         return 1
     except BrokenPipeError:

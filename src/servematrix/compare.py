@@ -16,7 +16,6 @@ import altair as alt
 import polars as pl
 
 from servematrix.aggregate import CSV_DECIMALS
-from servematrix.config import PREDICTING_BACKEND
 from servematrix.figures import (
     LATENCY_FAMILIES,
     THROUGHPUT_PANELS,
@@ -30,6 +29,7 @@ from servematrix.figures import (
     series_order,
 )
 from servematrix.files import atomic_path, write_text
+from servematrix.matrix import PREDICTING_BACKEND
 from servematrix.steptimes import report_page
 
 KEYS = ("model", "mode", "qps", "input_len")

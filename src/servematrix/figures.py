@@ -23,8 +23,8 @@ import altair as alt
 import polars as pl
 
 from servematrix.aggregate import check_one_row_per_point
-from servematrix.config import MODES
 from servematrix.files import cache_root, write_text
+from servematrix.matrix import MODES
 
 X_AXES = {
     "qps": "Offered load (requests/s)",

@@ -20,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from servematrix.config import Cell
+from servematrix.matrix import Cell
 
 ENGINE_BACKENDS = ("simulator", "emulator")
 """The backends whose timings come from the modelled engine (``engine:`` settings)."""

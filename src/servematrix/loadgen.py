@@ -8,7 +8,7 @@ defined, and the design's trace schema everywhere:
   ``ignore_eos`` and ``stream_options`` asking for (continuous) usage, so the server says how
   many tokens each chunk carries; header ``X-Request-Id: <run prefix>-<request_id>``.
   ``client="openai"`` sends the same bytes through ``openai.AsyncOpenAI`` instead; it costs
-  more per request (see ``CLIENTS``), so it is not the default.
+  more per request (see ``senders.CLIENTS``), so it is not the default.
 - The JSON bodies are encoded before the clock starts: at send time nothing on the event loop
   grows with the prompt (a 32k-token prompt is ~200 kB of JSON, milliseconds to encode).
 - t = 0 is one ``time.monotonic()`` reading (kept in the trace metadata, so a server's own
@@ -33,6 +33,9 @@ defined, and the design's trace schema everywhere:
   stream, dropped connection, timeout, a stream without a token or cut before ``[DONE]``) is a
   row with ``success = False`` and the error text; the chunks that did arrive are kept; the
   run continues.
+
+Here: the settings, readiness, the warm-ups and the run loop that paces the sends; how one
+request goes out and is read (the senders, the HTTP client) is `servematrix.senders`.
 """
 
 from __future__ import annotations
@@ -42,26 +45,34 @@ import gc
 import json
 import logging
 import math
-import os
-import resource
 import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
-import httpx2
 import openai
-from openai import AsyncOpenAI, AsyncStream
-from openai.types import Completion
 
 from servematrix import prompts
 from servematrix.progress import Progress
 from servematrix.prompts import encode_body
-from servematrix.sse import HTTPStatusError, StreamParser, record, status_message
+from servematrix.senders import (
+    CLIENTS,
+    AiohttpSender,
+    OpenAISender,
+    Sender,
+    api_key,
+    client_session,
+    describe,
+    openai_client,
+    raise_file_limit,
+    root_cause,
+    send_one,
+)
+from servematrix.sse import StreamParser, record
 from servematrix.terminal import TERMINAL, WAIT_REPORT_S
 from servematrix.trace import RequestRecord
 
@@ -69,8 +80,6 @@ if TYPE_CHECKING:
     from servematrix.workload import RequestSpec
 
 log = logging.getLogger(__name__)
-# httpx2 (under the openai client) logs every request at INFO: measurable work at 500 req/s.
-logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 # Readiness probing: how often, and how long one probe may take (a socket that accepts but
 # never answers must not eat the whole readiness budget in one probe).
@@ -79,19 +88,6 @@ READY_PROBE_TIMEOUT_S = 5.0
 # Send timers are set this early; what is left before the instant is spent yielding to the
 # loop (see `_sleep_until`).
 SPIN_S = 0.0005
-# How requests go out (the response is read the same way by both, `StreamParser`):
-# "aiohttp": one aiohttp session, the precomputed body and headers posted as they are;
-# "openai": the same through ``openai.AsyncOpenAI`` (over openai's own aiohttp transport),
-# which builds request objects, parses URLs and copies options on every request: about 0.5 ms
-# more client CPU per request, and at 100 QPS on a loaded 2-core machine ten times the send
-# lag (benchmarks/loadgen_pacing.py). Kept to cross-check the default against the SDK.
-CLIENTS = ("aiohttp", "openai")
-# Response bytes are handed over as they arrive; a large buffer keeps long streams from
-# stalling on it (vLLM's client with aiohttp's 64 KiB default: vllm-project/vllm#39963).
-READ_BUFSIZE = 1 << 20
-# Idle connections are dropped before vLLM's server drops them (uvicorn's keep-alive timeout
-# is 5 s): a request sent on a connection the server is closing at that instant would fail.
-KEEPALIVE_S = 4.0
 # Connections opened before the clock starts, so the first requests that overlap do not pay
 # for a TCP connection inside their TTFT (vLLM's client runs its warm-ups concurrently and so
 # starts with as many); more are opened during the run as needed.
@@ -193,177 +189,6 @@ def _version(package: str) -> str | None:
         return None
 
 
-class _AiohttpSender:
-    """POST the precomputed body on the run's one aiohttp session; feed the bytes as they come."""
-
-    def __init__(self, session: aiohttp.ClientSession, settings: ClientSettings):
-        self.session = session
-        self.url = f"{settings.base_url}/completions"
-
-    async def __call__(self, body: bytes, headers: dict[str, str], out: StreamParser) -> None:
-        monotonic = time.monotonic
-        feed = out.feed
-        async with self.session.post(self.url, data=body, headers=headers) as response:
-            if response.status != 200:
-                raise status_message(response.status, await response.text(errors="replace"))
-            async for data in response.content.iter_any():
-                feed(data, monotonic())
-
-    async def open_connections(self, url: str, count: int) -> None:
-        async def one() -> None:
-            async with self.session.get(url) as response:
-                await response.read()
-
-        await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
-
-
-class _Response(AsyncStream[Completion]):
-    """Hands back the raw HTTP response of a streamed request sent through ``AsyncOpenAI``.
-
-    The openai client builds, sends and status-checks the request, but its own stream would
-    turn every chunk into a pydantic object before we could timestamp it: we read the bytes.
-    """
-
-    def __init__(self, *, response: httpx2.Response, **_: Any) -> None:
-        self.response = response
-
-
-class _OpenAISender:
-    def __init__(self, client: AsyncOpenAI):
-        self.client = client
-
-    async def __call__(self, body: bytes, headers: dict[str, str], out: StreamParser) -> None:
-        monotonic = time.monotonic
-        feed = out.feed
-        try:
-            stream = await self.client.post(
-                "/completions",
-                cast_to=Completion,
-                content=body,
-                options={"headers": headers},
-                stream=True,
-                stream_cls=_Response,
-            )
-        except openai.APIStatusError as error:
-            raise HTTPStatusError(error.status_code, _error_message(error)) from None
-        response = stream.response
-        try:
-            async for data in response.aiter_raw():
-                feed(data, monotonic())
-        finally:
-            await response.aclose()
-
-    async def open_connections(self, url: str, count: int) -> None:
-        requests = (self.client.get(url, cast_to=httpx2.Response) for _ in range(count))
-        await asyncio.gather(*requests, return_exceptions=True)
-
-
-class Sender(Protocol):
-    """Sends one request and feeds its response to a `StreamParser`; raises on failure."""
-
-    async def __call__(self, body: bytes, headers: dict[str, str], out: StreamParser) -> None: ...
-
-    async def open_connections(self, url: str, count: int) -> None:
-        """``count`` concurrent GETs of ``url``, leaving that many connections in the pool."""
-
-
-async def _stream(
-    send: Sender, body: bytes, headers: dict[str, str], timeout_s: float
-) -> StreamParser:
-    """Send one request now and consume its stream; never raises (errors go into the result)."""
-    out = StreamParser()
-    try:
-        async with asyncio.timeout(timeout_s):
-            out.sent = time.monotonic()
-            await send(body, headers, out)
-    except TimeoutError:
-        out.error = f"timed out after {timeout_s:g} s"
-    except HTTPStatusError as error:
-        out.error, out.status = str(error), error.status
-    except (aiohttp.ClientError, openai.APIConnectionError, httpx2.TransportError) as error:
-        out.error = f"connection error: {_describe(_root_cause(error))}"
-    except Exception as error:  # the row records it; one bad request never stops the cell
-        out.error = _describe(error)
-    out.finish()
-    if out.sent == 0.0:
-        out.sent = time.monotonic()
-    return out
-
-
-def _error_message(error: openai.APIStatusError) -> str:
-    body = error.body
-    if isinstance(body, dict) and isinstance(body.get("message"), str):
-        return body["message"]
-    return str(error.message)
-
-
-def _root_cause(error: BaseException) -> BaseException:
-    """The exception that started it: the openai and httpx2 layers rename aiohttp's errors
-    (a refused connection and a server closing mid-stream both surface as timeouts there)."""
-    while error.__cause__ is not None:
-        error = error.__cause__
-    return error
-
-
-def _describe(error: BaseException) -> str:
-    text = " ".join(str(error).split())  # one line, whatever the library put in its message
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def _session(max_in_flight: int) -> aiohttp.ClientSession:
-    """One connection pool for the whole run, big enough that no request waits for a socket.
-
-    Timeouts are per request (``asyncio.timeout`` around each one), not per read. The
-    environment's proxy settings are ignored: a benchmark talks to its server directly.
-    """
-    connector = aiohttp.TCPConnector(limit=max_in_flight + 1, keepalive_timeout=KEEPALIVE_S)
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None),
-        read_bufsize=READ_BUFSIZE,
-        trust_env=False,
-    )
-
-
-def _openai_client(settings: ClientSettings, max_in_flight: int) -> AsyncOpenAI:
-    """``AsyncOpenAI`` over openai's aiohttp transport: httpx2's own connection pool scans
-    every pooled connection (a syscall per idle one) on each request and each release, which
-    with hundreds in flight costs milliseconds per request."""
-    limits = httpx2.Limits(
-        max_connections=max_in_flight + 1,
-        max_keepalive_connections=max_in_flight + 1,
-        keepalive_expiry=KEEPALIVE_S,
-    )
-    http = openai.DefaultAioHttpClient(
-        limits=limits, timeout=httpx2.Timeout(None), trust_env=False, follow_redirects=False
-    )
-    return AsyncOpenAI(
-        base_url=settings.base_url,
-        api_key=_api_key(),
-        http_client=http,
-        max_retries=0,
-        timeout=None,
-    )
-
-
-def _api_key() -> str:
-    """``OPENAI_API_KEY`` as vLLM's client sends it (a server started with --api-key needs it)."""
-    return os.environ.get("OPENAI_API_KEY", "EMPTY")
-
-
-def _raise_file_limit(needed: int) -> None:
-    """One socket per request in flight: lift the soft open-file limit (often 1024) towards the
-    hard one, so ``qps: inf`` with thousands of prompts does not fail with EMFILE."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        if target < needed:
-            log.warning(
-                "open-file limit %d is below the %d sockets this run may need", hard, needed
-            )
-
-
 async def wait_ready(settings: ClientSettings, session: aiohttp.ClientSession | None = None) -> str:
     """Poll ``GET /health`` (else ``GET /v1/models``) until it answers 200; return that URL.
 
@@ -373,13 +198,13 @@ async def wait_ready(settings: ClientSettings, session: aiohttp.ClientSession | 
     ours is not among them (every request would fail with 404).
     """
     if session is None:
-        async with _session(1) as own:
+        async with client_session(1) as own:
             return await wait_ready(settings, own)
     began = time.monotonic()
     deadline = began + settings.ready_timeout_s
     health = f"{settings.server_root}/health"
     models = f"{settings.base_url}/models"
-    headers = {"Authorization": f"Bearer {_api_key()}"}
+    headers = {"Authorization": f"Bearer {api_key()}"}
     problem, refused_since, reported = "no answer", None, None
     while True:
         now = time.monotonic()
@@ -414,8 +239,8 @@ async def wait_ready(settings: ClientSettings, session: aiohttp.ClientSession | 
         except TimeoutError:
             problem = f"no answer within {probe_s:.1f} s"
         except aiohttp.ClientError as error:
-            cause = _root_cause(error)
-            problem = _describe(cause)
+            cause = root_cause(error)
+            problem = describe(cause)
             refused = isinstance(cause, ConnectionRefusedError) or isinstance(
                 getattr(error, "os_error", None), ConnectionRefusedError
             )
@@ -473,7 +298,7 @@ def _encode(
     """Every body and header set, encoded before the clock starts (nothing on the event loop
     grows with the prompt at send time)."""
     bodies = {r.request_id: encode_body(r, settings) for r in requests}
-    common = {"Content-Type": "application/json", "Authorization": f"Bearer {_api_key()}"}
+    common = {"Content-Type": "application/json", "Authorization": f"Bearer {api_key()}"}
     if settings.client == "openai":  # the SDK adds its own
         common = {}
     headers = {
@@ -498,16 +323,16 @@ async def run_requests(
         requests, how = _as_text(requests, settings)
     bodies, headers = _encode(requests, settings, prefix)
     max_in_flight = min(settings.max_concurrency or len(requests), len(requests))
-    _raise_file_limit(max_in_flight + 64)
+    raise_file_limit(max_in_flight + 64)
     timeout_s = settings.request_timeout_s
-    async with _session(max_in_flight) as session:
+    async with client_session(max_in_flight) as session:
         ready_url = await wait_ready(settings, session)
-        openai_client = None
+        sdk_client = None
         if settings.client == "openai":
-            openai_client = _openai_client(settings, max_in_flight)
-            send: Sender = _OpenAISender(openai_client)
+            sdk_client = openai_client(settings.base_url, max_in_flight)
+            send: Sender = OpenAISender(sdk_client)
         else:
-            send = _AiohttpSender(session, settings)
+            send = AiohttpSender(session, settings.base_url)
         # Out of the garbage collector's sight for the run: the prompts and bodies (lists of
         # thousands of ints each) made every full collection a stall of ~0.4 s on a 2-core
         # machine (5000 x 1k or 200 x 32k tokens), which the sends behind it waited for.
@@ -541,8 +366,8 @@ async def run_requests(
             )
         finally:
             gc.unfreeze()
-            if openai_client is not None:
-                await openai_client.close()
+            if sdk_client is not None:
+                await sdk_client.close()
     if how["format"] == "text":
         how["input_len_difference"] = prompts.input_len_difference(result.records)
     result.prompts = how
@@ -559,7 +384,7 @@ async def _warm_up(
     """The warm-up requests, one at a time, until one is refused with a 4xx (then its error)."""
     warm: list[tuple[RequestSpec, StreamParser]] = []
     for spec in (r for r in requests if r.warmup):
-        raw = await _stream(send, bodies[spec.request_id], headers[spec.request_id], timeout_s)
+        raw = await send_one(send, bodies[spec.request_id], headers[spec.request_id], timeout_s)
         warm.append((spec, raw))
         if raw.status is not None and 400 <= raw.status < 500:
             return warm, raw.error
@@ -590,7 +415,7 @@ async def _run(
 
     async def one(spec: RequestSpec) -> None:
         try:
-            raw = await _stream(send, bodies[spec.request_id], headers[spec.request_id], timeout_s)
+            raw = await send_one(send, bodies[spec.request_id], headers[spec.request_id], timeout_s)
         finally:
             if slots is not None:
                 slots.release()

@@ -14,7 +14,7 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from servematrix.config import Cell, Workload
+from servematrix.matrix import Cell, Workload
 
 QUERIES_METRIC = "vllm:prefix_cache_queries_total"
 HITS_METRIC = "vllm:prefix_cache_hits_total"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from servematrix.config import Cell, Config, ConfigError
 from servematrix.engine.admission import kv_capacity_message
 from servematrix.engine.architecture import (
     ArchitectureError,
@@ -22,6 +21,7 @@ from servematrix.engine.architecture import (
 from servematrix.engine.hardware import DEFAULT_GPU, gpu_spec
 from servematrix.engine.kvcache import BLOCK_SIZE_TOKENS, KvMemoryPlan, ModelDoesNotFitError
 from servematrix.engine.setup import EngineFlags, plan_engine, step_time_model, warn_fallback
+from servematrix.matrix import Cell, Config, ConfigError
 from servematrix.workload import WorkloadError, check_dataset
 
 

@@ -14,14 +14,14 @@ from typing import Any
 
 from servematrix import config, preflight
 from servematrix.cell import check_backend
-from servematrix.config import PREDICTING_BACKEND, ConfigError
 from servematrix.deploy import command
+from servematrix.matrix import PREDICTING_BACKEND, Config, ConfigError
 from servematrix.terminal import for_terminal
 
 DEFAULT_CONFIGFILE = "config/config.yaml"
 
 
-def check_config(raw: Mapping[str, Any], schema_path: Path = config.SCHEMA_PATH) -> config.Config:
+def check_config(raw: Mapping[str, Any], schema_path: Path = config.SCHEMA_PATH) -> Config:
     """Everything that must hold before any job: `servematrix check` and the workflow run this."""
     cfg = config.load(raw, schema_path)
     preflight.check(cfg)
@@ -44,7 +44,7 @@ def workflow_config(
     configfiles: Sequence[str | Path],
     overrides: Mapping[str, Any],
     schema_path: Path = config.SCHEMA_PATH,
-) -> config.Config:
+) -> Config:
     """The config a Snakemake run plans: ``--config configfile=FILE`` or the ``--configfile``
     files if given, else ``config/config.yaml`` (never merged with it), read with servematrix's
     own YAML loader (a repeated key, a syntax error's line), then the other ``--config
@@ -62,7 +62,7 @@ def workflow_config(
     return check_config(merged(raw, overrides), schema_path)
 
 
-def predicted_config(cfg: config.Config) -> config.Config | None:
+def predicted_config(cfg: Config) -> Config | None:
     """The simulator's twin of a measured run (the same studies and cells, backend simulator),
     for the report's predicted-vs-measured comparison; None on the simulator itself.
 

@@ -1,6 +1,6 @@
 """The cell's requests: one list, built before the clock starts, that every backend sends.
 
-`build_requests` turns a `config.Workload` into the warm-up requests (request ids 0..W-1,
+`build_requests` turns a `matrix.Workload` into the warm-up requests (request ids 0..W-1,
 ``scheduled_s`` 0.0: they are sent one at a time before the benchmark clock starts) followed
 by the measured ones (ids W..W+N-1, sent at the seeded ``schedule.arrival_times``; ``qps: inf``
 puts them all at t = 0). The load generator sends these prompts, the emulator serves them and
@@ -55,8 +55,8 @@ from typing import Any
 import numpy as np
 
 from servematrix import replay, sessions
-from servematrix.config import Workload
 from servematrix.files import json_object
+from servematrix.matrix import Workload
 from servematrix.schedule import arrival_times
 from servematrix.sessions import spread as _spread
 

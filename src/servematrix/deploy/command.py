@@ -8,8 +8,8 @@ import os
 import subprocess
 from typing import Any
 
-from servematrix.config import ConfigError
 from servematrix.deploy.supervise import DeployError, launch_argv
+from servematrix.matrix import ConfigError
 
 KEY = "deploy.server_command"
 

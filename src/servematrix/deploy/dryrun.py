@@ -8,11 +8,11 @@ import shlex
 from pathlib import Path
 
 from servematrix import config
-from servematrix.config import MODES, Cell, ConfigError
 from servematrix.deploy.recipes import RECIPES, Plan, plan
+from servematrix.matrix import MODES, Cell, Config, ConfigError
 
 
-def find_cell(cfg: config.Config, model: str, mode: str, recipe: str | None) -> Cell:
+def find_cell(cfg: Config, model: str, mode: str, recipe: str | None) -> Cell:
     """A cell of the config for (model, mode[, recipe]); any study's settings if none has it."""
     names = {m.name: m for m in cfg.models.values()} | {m.hf_id: m for m in cfg.models.values()}
     if model not in names:

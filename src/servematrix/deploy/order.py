@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from servematrix.config import Cell, Config
+from servematrix.matrix import Cell, Config
 
 
 def deployment_key(cell: Cell) -> tuple:

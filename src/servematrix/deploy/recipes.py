@@ -31,8 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from servematrix.config import Cell
 from servematrix.engine.hardware import DEFAULT_GPU
+from servematrix.matrix import Cell
 
 EMULATOR_EXECUTABLE = ("servematrix-emulator", "serve")
 EMULATOR_KV_LINK_ENV = "SERVEMATRIX_EMULATOR_KV_LINK"

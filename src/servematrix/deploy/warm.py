@@ -36,7 +36,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from servematrix.config import Cell
 from servematrix.deploy.gpulock import flock_before
 from servematrix.deploy.recipes import DEFAULT_DEPLOY, RECIPES, Plan
 from servematrix.deploy.supervise import (
@@ -49,6 +48,7 @@ from servematrix.deploy.supervise import (
     stop_groups,
     wait_quiet,
 )
+from servematrix.matrix import Cell
 from servematrix.terminal import TERMINAL, WAIT_REPORT_S
 
 log = logging.getLogger(__name__)

@@ -390,7 +390,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             seed=args.seed,
         ),
         text_counter=TokenCounter.for_model(args.model),
-        api_latency_ms=setup.host.request_latency_ms,
         api_request_ms=setup.host.request_ms,
         vocab_size=setup.arch.vocab_size,
     )

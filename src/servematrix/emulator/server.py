@@ -69,15 +69,10 @@ class ServerSettings:
     kv_role: str | None
     faults: Faults
     text_counter: TokenCounter  # text prompts: the model's tokenizer, else the approximation
-    api_latency_ms: float = 0.0
-    """The modelled API path's latency per request that is not its serial work
-    (``HostCost.request_latency_ms``): the simulator puts it on every request's path, and so
-    does the emulator, before the engine sees the request (its own HTTP path is real and
-    about a millisecond)."""
     api_request_ms: float = 0.0
     """The API server's serial work per request (``HostCost.request_ms``): the engine queues
     requests through it, except one arriving with its prompt's KV (a KV consumer's), on whose
-    path to the engine it is added with ``api_latency_ms``, as in the simulator."""
+    path to the engine it is added, as in the simulator."""
     vocab_size: int | None = None
     """The model's vocabulary: a prompt id beyond it gets vLLM's 400 (None: not checked)."""
     empty_text_fraction: float = EMPTY_TEXT_FRACTION
@@ -219,8 +214,7 @@ class Emulator:
         if self.engine.can_ever_admit(prompt_tokens):
             covered: dict[str, Any] = {}  # how a KV consumer's prompt is covered
             if self.kv is not None:
-                s = self.settings
-                api_path_s = (s.api_latency_ms + s.api_request_ms) * 1e-3
+                api_path_s = self.settings.api_request_ms * 1e-3
                 try:
                     arrival_s, covered = await self.kv.before_submit(
                         body, prompt_tokens, arrival_s, api_path_s
@@ -230,10 +224,7 @@ class Emulator:
                     return self._error(RequestError(500, str(error), "InternalServerError"))
             # The request counts as arrived when its headers were read (the simulator, the
             # ground truth, has no network either, and parsing a long prompt's body takes
-            # milliseconds), and reaches the engine after the modelled API path's latency (a
-            # KV consumer's request has waited out its whole API path before its transfer).
-            if not covered.get("num_computed"):
-                arrival_s += self.settings.api_latency_ms * 1e-3
+            # milliseconds); a KV consumer's has waited out its API path before its transfer.
             if self.prefix_caching and not covered:
                 covered = prefixes.request_fields(self._tokens(body))
             stream = self.engine.submit(prompt_tokens, max_tokens, arrival_s, **covered)

@@ -13,8 +13,7 @@ in two places, and they cost a step differently:
   rate here: tokens cannot reach clients faster than it hands them on (V1's engine core would
   step on, but its outputs, and the requests queued behind them, wait in that process);
 * **in front of the engine** (V1): the same API-server process does each request's input work
-  (``request_ms``, serial: ``EngineInstance`` queues requests through it) and the rest of the
-  API path adds latency (``request_latency_ms``, on the simulator's request path).
+  (``request_ms``, serial: ``EngineInstance`` queues requests through it).
 
 Per recipe (sources and derivation in docs/engine-model.md, "Host-side cost"):
 
@@ -44,19 +43,9 @@ class HostCost:
     request_ms: float = 0.0
     """The API server's serial work per request before the engine sees it (parse, validate,
     tokenise, hand over); ``EngineInstance`` queues requests through it."""
-    request_latency_ms: float = 0.0
-    """The rest of the API path's latency per request, not serial work (waits between the
-    server's tasks and processes): the simulator adds it to the request path
-    (``ProxyHop.api_server_ms``); the emulator's real HTTP server pays its own."""
 
     def __post_init__(self) -> None:
-        values = (
-            self.step_ms,
-            self.per_seq_ms,
-            self.overlapped_per_seq_ms,
-            self.request_ms,
-            self.request_latency_ms,
-        )
+        values = (self.step_ms, self.per_seq_ms, self.overlapped_per_seq_ms, self.request_ms)
         if min(values) < 0:
             raise ValueError(f"host cost must be >= 0, got {self}")
 
@@ -70,8 +59,6 @@ class HostCost:
             parts.append(f"step >= {self.overlapped_per_seq_ms * 1e3:.3g} us/request beside it")
         if self.request_ms:
             parts.append(f"API server {self.request_ms:.3g} ms/request")
-        if self.request_latency_ms:
-            parts.append(f"+ {self.request_latency_ms:.3g} ms latency/request")
         return ", ".join(parts)
 
 

@@ -3,7 +3,6 @@ how a pair's gap moves along x, aggregated vs disaggregated, and model rankings.
 
 from __future__ import annotations
 
-from servematrix.config import MODES
 from servematrix.findings.common import (
     MEAN_TPOT,
     MEAN_TTFT,
@@ -22,6 +21,7 @@ from servematrix.findings.common import (
     ranking,
     same,
 )
+from servematrix.matrix import MODES
 
 STEADY_GAP = 0.10
 """A gap whose size changes by at most this fraction "stays about the same"."""

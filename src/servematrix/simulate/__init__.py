@@ -39,14 +39,14 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from servematrix.config import Cell
 from servematrix.engine.kvcache import KvMemoryPlan
 from servematrix.engine.setup import DEFAULT_GPU, EngineSetup, cell_engine_setup
 from servematrix.engine.steptime import StepTimeModel
 from servematrix.engine.transfer import NO_PROXY, ProxyHop
+from servematrix.matrix import Cell
 from servematrix.simulate.disagg import Disaggregated
 from servematrix.simulate.requests import Served, serve_or_refuse
 from servematrix.simulate.roundrobin import RoundRobin, round_robin_targets
@@ -147,10 +147,7 @@ def _simulate(cell: Cell, step_time: StepTimeModel | None, one_queue: bool) -> S
             )
             records = driver.run(sends)
     else:
-        hop = replace(
-            NO_PROXY if cell.mode.instances == 1 else ProxyHop(),
-            api_server_ms=setup.host.request_latency_ms,
-        )
+        hop = NO_PROXY if cell.mode.instances == 1 else ProxyHop()
         driver = RoundRobin(cell, instances, hop, lengths, served, turns)
         records = driver.run(sends)
     parameters = _parameters(cell, setup, driver)

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from servematrix.config import Cell
 from servematrix.engine.instance import DecodeRun, EngineInstance, StepResult
 from servematrix.engine.setup import EngineSetup
 from servematrix.engine.transfer import (
@@ -26,6 +25,7 @@ from servematrix.engine.transfer import (
     kv_bytes_per_token_per_rank,
     kv_link,
 )
+from servematrix.matrix import Cell
 from servematrix.simulate.events import (
     ARRIVE,
     ARRIVE_DECODE,
@@ -87,7 +87,7 @@ class Disaggregated(V0Handoff, V1Handoff):
         self._set_event_tables()
 
     def _set_hops(self, setup: EngineSetup) -> None:
-        self.hop = hop = ProxyHop(api_server_ms=setup.host.request_latency_ms)
+        self.hop = hop = ProxyHop()
         # 1-token response + new request through the decode instance's API server, its serial
         # input work included (the request reaches that engine with its KV, past its queue)
         to_decoder_ms = 2 * hop.request_ms + hop.api_server_ms + setup.host.request_ms

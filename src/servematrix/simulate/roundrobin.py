@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from servematrix.config import Cell
 from servematrix.engine.instance import EngineInstance
 from servematrix.engine.scheduler import Request
 from servematrix.engine.transfer import ProxyHop
+from servematrix.matrix import Cell
 from servematrix.sessions import Turn
 from servematrix.simulate.events import (
     ARRIVE,
