@@ -1,4 +1,7 @@
 # One summary row per cell, per study: Parquet for machines, CSV for spreadsheets, HTML for the report.
+# Inside Snakemake, as the simulated cells (servematrix.workflow.in_process_job): a new process
+# would spend more on its imports than the summary takes.
+from servematrix.aggregate import summarize, write_summary
 
 
 rule summarize:
@@ -19,5 +22,7 @@ rule summarize:
     params:
         slo_ms=get_slo_ms,
         title=get_study_title,
-    script:
-        "../scripts/summarize.py"
+    run:
+        with in_process_job(log[0]):
+            summary = summarize(list(input), slo_ms=params.slo_ms)
+            write_summary(summary, output.parquet, output.csv, output.html, title=params.title)

@@ -2,7 +2,7 @@
 # rate meeting the SLO, found by search; every probe is a cell at its usual trace path. A
 # measured run starts each search from the simulator's capacity for the same deployment. The
 # simulator's searches run inside Snakemake, as its cells do (rules/cells.smk).
-from servematrix.capacity_run import capacity_job
+from servematrix.capacity_run import capacity_job, write_study_table
 
 
 rule simulate_capacity:
@@ -58,5 +58,6 @@ rule capacity_table:
         "results/{backend}/logs/capacity/{study}.log",
     params:
         title=get_study_title,
-    script:
-        "../scripts/capacity_table.py"
+    run:
+        with in_process_job(log[0]):
+            write_study_table(input, params.title, output.parquet, output.csv, output.html)

@@ -14,7 +14,7 @@ from servematrix.deploy.order import (
     stop_deployments,
 )
 from servematrix.matrix import PREDICTING_BACKEND, Cell
-from servematrix.workflow import in_process_job, stop_jobs_on_interrupt
+from servematrix.workflow import stop_jobs_on_interrupt
 
 
 def cell_conda_env(wildcards):

@@ -7,7 +7,12 @@ from pathlib import Path
 from servematrix import capacity_run, matrix
 from servematrix.cell import AVAILABLE_BACKENDS
 from servematrix.identity import cell_identity
-from servematrix.workflow import fail_on_config_error, predicted_config, workflow_config
+from servematrix.workflow import (
+    fail_on_config_error,
+    in_process_job,
+    predicted_config,
+    workflow_config,
+)
 
 # Snakemake's own `config` is not used: the workflow re-reads the config file (the
 # --configfile ones if given, else config/config.yaml, never both merged) with the same

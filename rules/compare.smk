@@ -1,5 +1,6 @@
 # The simulator's predictions in the report: where every simulated study's step times came from
 # and, on a measured run (emulator, vllm, external), the simulator beside the measurement.
+from servematrix.steptimes import write_step_times
 
 
 rule step_time_sources:
@@ -18,8 +19,9 @@ rule step_time_sources:
         "results/simulator/logs/step_times/{study}.log",
     params:
         title=get_study_title,
-    script:
-        "../scripts/step_times.py"
+    run:
+        with in_process_job(log[0]):
+            write_step_times(list(input), params.title, output.md, output.html)
 
 
 if PREDICTED is not None:

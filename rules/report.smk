@@ -1,4 +1,6 @@
-# Findings: the answer at the SLO first, then the study's comparisons as tables and sentences.
+# Findings: the answer at the SLO first, then the study's comparisons as tables and sentences
+# (inside Snakemake, as the summaries; the charts render in jobs of their own).
+from servematrix.findings import write_findings
 
 
 rule findings:
@@ -23,8 +25,9 @@ rule findings:
         slo=get_slo_description,
         gpu=get_engine_gpu,
         backend=get_backend,
-    script:
-        "../scripts/findings.py"
+    run:
+        with in_process_job(log[0]):
+            write_findings(input.summary, input.capacity, dict(params.items()), dict(output.items()))
 
 
 # The front page: every study's recommendation, capacity chart and Pareto chart.

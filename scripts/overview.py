@@ -2,13 +2,8 @@
 import polars as pl
 
 from servematrix.files import write_text
-from servematrix.overview import (
-    StudyPage,
-    capacity_chart,
-    overview_html,
-    pareto_chart,
-    recommendation_of,
-)
+from servematrix.findings.render import recommendation_of
+from servematrix.overview import StudyPage, capacity_chart, overview_html, pareto_chart
 from servematrix.workflow import log_to
 
 log_to(snakemake.log[0])

@@ -15,9 +15,12 @@ from servematrix.figures import (
     build_figure,
     choose_layout,
     latency_panels,
+    save_figure,
     series_order,
+    study_figures,
     use_log_x,
     use_log_y,
+    vega_bundle,
     write_study_figures,
 )
 
@@ -222,3 +225,24 @@ def test_log_y_only_when_one_panel_spans_orders_of_magnitude() -> None:
     assert not use_log_y([60.0, 70.0, 900.0])
     assert not use_log_y([0.0, 0.5, 12_000.0])  # a zero has no place on a log axis
     assert not use_log_y([])
+
+
+def test_files_are_what_chart_save_writes(tmp_path: Path) -> None:
+    """One spec for both files, the Vega bundle from the cache: the bytes Altair writes."""
+    chart = study_figures(MOONCAKE, TITLE, "qps")["ttft"]
+    chart.save(tmp_path / "altair.svg", format="svg")
+    chart.save(tmp_path / "altair.html", format="html", inline=True)
+    save_figure(chart, tmp_path / "ours")
+    for ext in ("svg", "html"):
+        assert (tmp_path / f"ours.{ext}").read_bytes() == (tmp_path / f"altair.{ext}").read_bytes()
+
+
+def test_the_vega_bundle_is_built_once_per_version(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("SERVEMATRIX_CACHE", str(tmp_path))
+    vega_bundle.cache_clear()
+    try:
+        bundle = vega_bundle()
+        [cached] = (tmp_path / "vega").glob("vega-embed-v*-vl-convert-*.js")
+        assert cached.read_text(encoding="utf-8") == bundle and "vegaEmbed" in bundle
+    finally:
+        vega_bundle.cache_clear()

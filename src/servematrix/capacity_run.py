@@ -236,6 +236,17 @@ TABLE_SCHEMA = {
 }  # fmt: skip
 
 
+def write_study_table(
+    paths: Iterable[str | os.PathLike[str]], title: str, parquet: str, csv: str, html: str
+) -> None:
+    """One capacity_table job (rules/capacity.smk): the study's table as Parquet, CSV, HTML."""
+    columns = [(name, name.replace("_", " ")) for name in TABLE_COLUMNS]
+    table = study_table(paths)
+    aggregate.write_summary(
+        table, parquet, csv, html, title=f"Capacity at the SLO — {title}", columns=columns
+    )
+
+
 def study_table(paths: Iterable[str | os.PathLike[str]]) -> pl.DataFrame:
     """One row per deployment of a study, highest capacity per GPU first."""
     rows = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]

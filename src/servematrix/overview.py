@@ -11,16 +11,15 @@ loads; the upper right is better, and a configuration below another's curve is d
 from __future__ import annotations
 
 import html
-import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import altair as alt
 import polars as pl
 
 from servematrix.figures import save_figure, vega_bundle
-from servematrix.findings.common import Findings, Section, Table
+from servematrix.findings.common import Section
 from servematrix.findings.recommend import config_names
 from servematrix.findings.render import html_table
 
@@ -181,21 +180,3 @@ def overview_html(pages: Sequence[StudyPage], heading: str) -> str:
         f"<h1>{html.escape(heading)}</h1>\n" + "\n".join(sections) + "\n"
         f'<script type="text/javascript">\n{calls}\n</script>\n</body>\n</html>\n'
     )
-
-
-def recommendation_json(findings: Findings) -> str:
-    """The findings' Recommendation section (empty without one), for the front page."""
-    section = next(
-        (s for s in findings.sections if s.title == "Recommendation"),
-        Section(
-            "Recommendation",
-            ["No capacity to recommend by: the workload caps concurrency (max_concurrency)."],
-        ),
-    )
-    return json.dumps(asdict(section), indent=1) + "\n"
-
-
-def recommendation_of(path: str | Path) -> Section:
-    """The Recommendation section a findings job wrote as JSON."""
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
-    return Section(data["title"], data["sentences"], [Table(**t) for t in data["tables"]])

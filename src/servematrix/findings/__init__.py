@@ -12,9 +12,14 @@ reuse against what a trace allows), ``render``.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
 import polars as pl
 
+from servematrix import steptimes, trace
 from servematrix.aggregate import check_one_row_per_point
+from servematrix.files import write_text
 from servematrix.findings.common import (
     MEAN_TPOT,
     MEAN_TTFT,
@@ -38,11 +43,20 @@ from servematrix.findings.health import (
     preemption_section,
     saturation_section,
 )
-from servematrix.findings.recommend import Context, recommendation_section
-from servematrix.findings.render import to_html, to_markdown
+from servematrix.findings.recommend import Context, caveat, recommendation_section
+from servematrix.findings.render import recommendation_json, to_html, to_markdown
 from servematrix.findings.reuse import reuse_section
+from servematrix.matrix import PREDICTING_BACKEND
 
-__all__ = ["Context", "Findings", "Section", "study_findings", "to_html", "to_markdown"]
+__all__ = [
+    "Context",
+    "Findings",
+    "Section",
+    "study_findings",
+    "to_html",
+    "to_markdown",
+    "write_findings",
+]
 
 
 def _check(summary: pl.DataFrame, x: str) -> None:
@@ -107,3 +121,29 @@ def study_findings(
         health_section(summary, x, series),
     ]
     return Findings(title, x, [s for s in sections if s and (s.sentences or s.tables)])
+
+
+def write_findings(
+    summary_path: str | os.PathLike[str],
+    capacity_paths: Sequence[str],
+    study: dict[str, str],
+    outputs: dict[str, str],
+) -> None:
+    """One findings job (rules/report.smk): the study's findings as Markdown (``outputs["md"]``)
+    and HTML (``"html"``), its Recommendation as JSON for the front page (``"json"``).
+    ``study`` holds its title, x, slo (described), gpu and backend; ``capacity_paths`` its
+    capacity table, when there is an SLO to search against."""
+    summary = pl.read_parquet(summary_path)
+    capacity = pl.read_parquet(capacity_paths[0]) if capacity_paths else None
+    step_times = []
+    if study["backend"] == PREDICTING_BACKEND and not summary.is_empty():
+        try:
+            cells = [steptimes.cell_step_times(path) for path in summary["trace"]]
+            step_times = steptimes.step_time_sentences(steptimes.group_setups(cells))
+        except trace.TraceError:  # a trace from before step-time sources were recorded
+            step_times = []
+    context = Context(study["slo"], caveat(study["backend"], study["gpu"], step_times))
+    findings = study_findings(summary, study["title"], study["x"], capacity, context)
+    write_text(outputs["md"], to_markdown(findings))
+    write_text(outputs["html"], to_html(findings))
+    write_text(outputs["json"], recommendation_json(findings))

@@ -1,10 +1,14 @@
-"""Findings as Markdown and as a self-contained HTML page (every text escaped)."""
+"""Findings as Markdown, as a self-contained HTML page (every text escaped), and their
+Recommendation section as JSON for the front page."""
 
 from __future__ import annotations
 
 import html
+import json
+from dataclasses import asdict
+from pathlib import Path
 
-from servematrix.findings.common import Findings, Table
+from servematrix.findings.common import Findings, Section, Table
 
 
 def _markdown_table(table: Table) -> list[str]:
@@ -52,3 +56,21 @@ def to_html(findings: Findings) -> str:
         "th,td{border:1px solid #ccc;padding:0.25em 0.5em;text-align:left}</style>\n"
         "</head>\n<body>\n" + "\n".join(body) + "\n</body>\n</html>\n"
     )
+
+
+def recommendation_json(findings: Findings) -> str:
+    """The findings' Recommendation section (empty without one), for the front page."""
+    section = next(
+        (s for s in findings.sections if s.title == "Recommendation"),
+        Section(
+            "Recommendation",
+            ["No capacity to recommend by: the workload caps concurrency (max_concurrency)."],
+        ),
+    )
+    return json.dumps(asdict(section), indent=1) + "\n"
+
+
+def recommendation_of(path: str | Path) -> Section:
+    """The Recommendation section a findings job wrote as JSON."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    return Section(data["title"], data["sentences"], [Table(**t) for t in data["tables"]])
