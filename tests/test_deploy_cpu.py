@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,13 +16,40 @@ from servematrix.deploy import command, gpulock, memory
 from servematrix.deploy.recipes import cpu_bind, plan
 from servematrix.deploy.supervise import DeployError
 from servematrix.matrix import ConfigError
+from servematrix.vllmcpu.tiny_model import VOCAB_SIZE
 from servematrix.workflow import check_config
 
 EXAMPLE = config.SCHEMA_PATH.parent / "examples" / "vllm-cpu.yaml"
 
 
+# The example's model is built by `make test-vllm` (servematrix.vllmcpu, with torch); these
+# tests need only its config.json, the tiny Qwen2's shape, written here.
+TINY_QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+_ARCHITECTURE: list[str] = []
+
+
+@pytest.fixture(autouse=True, scope="module")
+def tiny_architecture(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-qwen2")
+    (directory / "config.json").write_text(json.dumps(TINY_QWEN2))
+    _ARCHITECTURE[:] = [str(directory)]
+
+
 def _raw(**changes) -> dict:
     raw = config.read_yaml(EXAMPLE)
+    raw["models"]["tiny-qwen2"]["architecture"] = _ARCHITECTURE[0]
     raw["deploy"]["server_command"] = [sys.executable, "-m", "json.tool"]
     for key, value in changes.items():
         raw[key] = value
