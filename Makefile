@@ -9,7 +9,7 @@ STAMP := $(VENV)/.servematrix-installed
 .PHONY: all test test-vllm report clean
 
 all: $(STAMP)
-	$(VENV)/bin/snakemake --cores 1 all
+	$(VENV)/bin/snakemake --cores all all
 	$(VENV)/bin/snakemake --report results/report.html
 
 test: $(STAMP) /usr/bin/chromium
