@@ -58,3 +58,12 @@ def test_in_process_jobs_run_one_at_a_time(tmp_path):
     for thread in threads:
         thread.join()
     assert overlapped == [False] * 4
+
+
+def test_waits_and_fallbacks_reach_the_terminal_too(tmp_path, capsys):
+    from servematrix.terminal import TERMINAL
+
+    with in_process_job(str(tmp_path / "job.log")):
+        log.info("roofline model for x", extra=TERMINAL)
+        log.info("only in the log")
+    assert capsys.readouterr().err == "servematrix: roofline model for x\n"

@@ -1,8 +1,8 @@
 """Lines a person at the terminal must see, not only a job's log file.
 
-A cell job's log records go to its log file (``workflow.log_to``); the records marked here
-(and every warning) go to the terminal as well: what a job is waiting for, for how long, and a
-step-time fallback. ``log.info(message, extra=TERMINAL)`` marks a record.
+A job's log records go to its log file (``workflow.log_to``, ``workflow.in_process_job``); the
+records marked here (and every warning) go to the terminal as well: what a job is waiting
+for, for how long, and a step-time fallback. ``log.info(message, extra=TERMINAL)`` marks a record.
 """
 
 from __future__ import annotations

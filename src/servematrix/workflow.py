@@ -116,35 +116,46 @@ def in_process_job(log_path: str) -> Iterator[logging.Logger]:
     are shared, so a second thread would only wait for the first); the package's log records
     from this thread go to the job's log file, and so does the error that fails the job.
     """
-    handler = logging.FileHandler(log_path, mode="w")
-    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+    handlers = [_file_handler(log_path), _terminal_handler()]
     thread = threading.get_ident()
-    handler.addFilter(lambda record: record.thread == thread)
+    for handler in handlers:
+        handler.addFilter(lambda record: record.thread == thread)
     logger = logging.getLogger("servematrix")
     with _IN_PROCESS:
         level = logger.level
         logger.setLevel(logging.INFO)
-        logger.addHandler(handler)
+        for handler in handlers:
+            logger.addHandler(handler)
         try:
             yield logger
         except Exception as error:
             logger.error("job failed: %s", error, exc_info=True)
             raise
         finally:
-            logger.removeHandler(handler)
+            for handler in handlers:
+                logger.removeHandler(handler)
+                handler.close()
             logger.setLevel(level)
-            handler.close()
+
+
+def _file_handler(path: str) -> logging.Handler:
+    handler = logging.FileHandler(path, mode="w")
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+    return handler
+
+
+def _terminal_handler() -> logging.Handler:
+    """Waits and warnings (`servematrix.terminal`) for the person watching, one line each."""
+    terminal = logging.StreamHandler(sys.stderr)
+    terminal.addFilter(lambda record: for_terminal(record) and not record.exc_info)
+    terminal.setFormatter(logging.Formatter("servematrix: %(message)s"))
+    return terminal
 
 
 def log_to(path: str) -> logging.Logger:
     """Send the package's log records (and warnings) to a job's Snakemake log file."""
-    handler = logging.FileHandler(path, mode="w")
-    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
-    terminal = logging.StreamHandler(sys.stderr)  # waits and warnings: the person watching
-    terminal.addFilter(lambda record: for_terminal(record) and not record.exc_info)
-    terminal.setFormatter(logging.Formatter("servematrix: %(message)s"))
     root = logging.getLogger()
-    root.handlers[:] = [handler, terminal]
+    root.handlers[:] = [_file_handler(path), _terminal_handler()]
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)
     logger = logging.getLogger("servematrix")
