@@ -259,7 +259,7 @@ def vega_bundle() -> str:
 
 def offline_html(spec: dict[str, Any]) -> str:
     """The page ``Chart.save(format="html", inline=True)`` writes for ``spec`` (Altair's inline
-    template), with the Vega bundle built once per process instead of once per chart."""
+    template), with the Vega bundle from `vega_bundle` instead of vl-convert on every chart."""
     from altair.utils.html import INLINE_HTML_TEMPLATE
 
     return INLINE_HTML_TEMPLATE.render(
