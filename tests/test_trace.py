@@ -95,6 +95,15 @@ def test_round_trip_keeps_rows_and_metadata(tmp_path: Path) -> None:
     assert trace.read_metadata(path) == METADATA
 
 
+def test_write_returns_the_table_read_returns(tmp_path: Path) -> None:
+    """A capacity probe summarizes the table `write` returned instead of reading it back."""
+    for rows in (records(), []):
+        path = tmp_path / f"cell{len(rows)}.parquet"
+        written = trace.write(path, IDENTITY, rows, METADATA)
+        assert written.equals(trace.read(path))
+        assert trace.metadata_of(written.schema, path) == METADATA
+
+
 def test_read_missing_column_names_file_and_column(tmp_path: Path) -> None:
     path = write_table(tmp_path / "t.parquet", good_table().drop_columns(["sent_s"]))
 

@@ -146,9 +146,18 @@ def summary_row(
 ) -> dict[str, Any]:
     """One trace's summary row; ``with_intervals=False`` leaves the bootstrap intervals null
     (a capacity probe, judged on its statistics alone, would spend a third of its time on them)."""
-    table = trace.read(path)
+    return table_summary_row(trace.read(path), path, slo_ms, with_intervals)
+
+
+def table_summary_row(
+    table: pa.Table,
+    path: str | os.PathLike[str],
+    slo_ms: Mapping[str, float] | None = None,
+    with_intervals: bool = True,
+) -> dict[str, Any]:
+    """`summary_row` of a trace already in memory (as `trace.read` or `trace.write` return it)."""
     cell = metrics.compute(table, slo_ms, source=path)
-    metadata = trace.read_metadata(path)
+    metadata = trace.metadata_of(table.schema, path)
     cell_config = metadata.get("cell")
     workload = cell_config.get("workload") if isinstance(cell_config, dict) else None
     workload = workload or metadata.get("workload") or {}

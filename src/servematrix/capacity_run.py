@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+import pyarrow as pa
 
 from servematrix import aggregate, capacity, intervals, trace
 from servematrix.cell import run_cell
@@ -75,23 +76,25 @@ def study_deployments(cfg: Config, study: str) -> list[str]:
     return list(deployments(cfg.studies[study].cells))
 
 
-def _reusable(cell: Cell) -> bool:
-    """A trace at the cell's path written for exactly these settings."""
+def _reusable(cell: Cell) -> pa.Table | None:
+    """The trace at the cell's path if it was written for exactly these settings."""
     if not os.path.isfile(cell.path):
-        return False
+        return None
     try:
-        trace.read(cell.path)
-        return trace.read_metadata(cell.path).get("cell") == cell.to_dict()
+        table = trace.read(cell.path)
+        reusable = trace.metadata_of(table.schema, cell.path).get("cell") == cell.to_dict()
     except trace.TraceError:
-        return False
+        return None
+    return table if reusable else None
 
 
 def probe_cell(cell: Cell, slo: Slo) -> capacity.Probe:
     """Run (or reuse) one cell and judge it against the SLO."""
-    if not _reusable(cell):
+    table = _reusable(cell)
+    if table is None:
         log.info("probe %s", cell.path)
-        run_cell(cell, cell.path)
-    row = aggregate.summary_row(cell.path, slo.per_request_ms(), with_intervals=False)
+        table = run_cell(cell, cell.path)
+    row = aggregate.table_summary_row(table, cell.path, slo.per_request_ms(), with_intervals=False)
     verdict = slo.check(row)
     return capacity.Probe(
         cell.workload.qps, verdict.met, verdict.broken, row["output_throughput"], cell.path

@@ -6,6 +6,7 @@ atomically with a metadata document that makes the numbers traceable.
 
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 import signal
@@ -23,7 +24,7 @@ from servematrix.matrix import Cell, ConfigError
 from servematrix.trace import CellIdentity, RequestRecord
 
 if TYPE_CHECKING:
-    pass
+    import pyarrow as pa
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +268,10 @@ def identity(cell: Cell) -> CellIdentity:
     )
 
 
+@functools.cache
 def _version(package: str) -> str | None:
+    """Cached: a lookup walks the installed distributions (a capacity search writes hundreds
+    of traces in one process)."""
     try:
         return importlib_metadata.version(package)
     except importlib_metadata.PackageNotFoundError:
@@ -299,12 +303,13 @@ def run_metadata(cell: Cell, started: datetime, run: BackendRun) -> dict[str, An
     }
 
 
-def run_cell(cell: Cell, output: str | Path) -> None:
-    """Serve (or simulate) the cell's workload and write its trace to ``output``."""
+def run_cell(cell: Cell, output: str | Path) -> pa.Table:
+    """Serve (or simulate) the cell's workload and write its trace to ``output`` (returned, as
+    `trace.read` would return it)."""
     check_backend(cell.backend)
     started = datetime.now(UTC)
     log.info("cell %s: backend %s, %d requests", cell.path, cell.backend, cell.workload.num_prompts)
     run = _BACKENDS[cell.backend](cell)
     failed = sum(not r.success for r in run.records)
     log.info("cell %s: %d rows, %d failed", cell.path, len(run.records), failed)
-    trace.write(output, identity(cell), run.records, run_metadata(cell, started, run))
+    return trace.write(output, identity(cell), run.records, run_metadata(cell, started, run))

@@ -18,8 +18,10 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -74,6 +76,7 @@ _POLARS_TYPES = {
 POLARS_SCHEMA = pl.Schema({field.name: _POLARS_TYPES[field.type] for field in SCHEMA})
 NULLABLE = {"first_token_s", "end_s", "error", "preemptions"}
 OPTIONAL = {"preemptions"}
+LIST_COLUMNS = {"chunk_s", "chunk_tokens"}
 """Columns a trace written before them lacks; `read` adds them, all null."""
 
 
@@ -134,15 +137,28 @@ def to_table(
     identity: CellIdentity, records: Sequence[RequestRecord], metadata: Mapping[str, Any]
 ) -> pa.Table:
     n = len(records)
-    values: dict[str, list[Any]] = {name: [value] * n for name, value in asdict(identity).items()}
+    columns = {name: _column([value] * n, name) for name, value in asdict(identity).items()}
     for name in REQUEST_COLUMNS:
-        values[name] = [getattr(r, name) for r in records]
-    # Built by polars and cast: any pyarrow conversion from Python objects imports pandas,
-    # which alone costs a cell job half a second.
-    frame = pl.DataFrame(values, schema=POLARS_SCHEMA)
-    table = frame.to_arrow().cast(SCHEMA)
+        build = _list_column if name in LIST_COLUMNS else _column
+        columns[name] = build([getattr(r, name) for r in records], name)
     document = json.dumps(_strict_json(metadata), default=str, allow_nan=False)
+    table = pa.table(columns).cast(SCHEMA)
     return table.replace_schema_metadata({METADATA_KEY: document})
+
+
+def _column(values: list[Any], name: str) -> pa.Array:
+    """Built by polars: any pyarrow conversion from Python objects imports pandas, which alone
+    costs a cell job half a second."""
+    return pl.Series(name, values, dtype=POLARS_SCHEMA[name]).to_arrow()
+
+
+def _list_column(lists: list[list[Any]], name: str) -> pa.Array:
+    """A list column from its flattened values and offsets (polars builds nested Python lists
+    one element at a time: most of a trace's write time)."""
+    offsets = np.zeros(len(lists) + 1, dtype=np.int32)
+    np.cumsum([len(values) for values in lists], out=offsets[1:])
+    flat = pl.Series(name, list(chain.from_iterable(lists)), dtype=POLARS_SCHEMA[name].inner)
+    return pa.ListArray.from_arrays(pl.Series(offsets).to_arrow(), flat.to_arrow())
 
 
 def _strict_json(value: Any) -> Any:
@@ -162,15 +178,17 @@ def write(
     identity: CellIdentity,
     records: Sequence[RequestRecord],
     metadata: Mapping[str, Any],
-) -> None:
+) -> pa.Table:
     """Write atomically: a temporary file renamed into place, so no half-written trace exists.
 
-    The table is checked as ``read`` would check it, so nothing unreadable is ever written.
+    The table is checked as ``read`` would check it, so nothing unreadable is ever written;
+    it is returned, as ``read`` would return it.
     """
     table = to_table(identity, records, metadata)
     check(table, path)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
+    return table
 
 
 def check(table: pa.Table, path: str | os.PathLike[str]) -> None:
@@ -223,9 +241,15 @@ def read(path: str | os.PathLike[str]) -> pa.Table:
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
-        meta = pq.read_schema(path).metadata or {}
+        schema = pq.read_schema(path)
     except (pa.ArrowException, OSError) as error:
         raise TraceError(path, None, f"not a readable Parquet file ({error})") from error
+    return metadata_of(schema, path)
+
+
+def metadata_of(schema: pa.Schema, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The metadata document of a trace's schema (a file's, or a table `read` returned)."""
+    meta = schema.metadata or {}
     if METADATA_KEY not in meta:
         raise TraceError(path, None, "metadata document 'servematrix' is missing")
     try:

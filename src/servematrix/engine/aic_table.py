@@ -31,6 +31,7 @@ H100/H200, stated in the source label.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -374,6 +375,13 @@ class AicStepTime:
         return ms + self._shared_ms(tokens)
 
 
+@functools.lru_cache(maxsize=64)
+def _aic_step_time(arch: Architecture, gpu: str, tp: int, quantization: str) -> AicStepTime:
+    """One model per setup in this process: it is immutable, and building its lookup lists
+    takes milliseconds that a capacity search, simulating one setup hundreds of times, repeats."""
+    return AicStepTime(arch, gpu, tp, quantization)
+
+
 def _roofline(arch: Architecture, gpu: str, tp: int, quantization: str) -> StepTimeModel:
     from servematrix.engine.hardware import gpu_spec
     from servematrix.engine.roofline import RooflineStepTime
@@ -414,7 +422,7 @@ def select_step_time_model(
     ``arch_name`` may also be an architecture already loaded (a user's ``config.json``)."""
     arch = load_architecture(arch_name) if isinstance(arch_name, str) else arch_name
     try:
-        model = AicStepTime(arch, gpu, tp, quantization)
+        model = _aic_step_time(arch, gpu, tp, quantization)
     except AicUnsupportedError as why:
         return roofline_fallback(roofline(arch, gpu, tp, quantization), str(why))
     return StepTimeChoice(model, model.label)
