@@ -1,5 +1,8 @@
 # The published study's figures: TTFT, TPOT and ITL (mean, median, P99), throughput and memory
-# (peak GPU memory, peak KV-cache usage) against x.
+# (peak GPU memory, peak KV-cache usage) against x. Charts render inside Snakemake, as the
+# summaries do (rules/aggregate.smk): a job of its own process would spend more on its start and
+# imports (~1.5 s) than on the study's charts.
+from servematrix.figures import write_study_figures
 
 
 rule figures:
@@ -25,5 +28,6 @@ rule figures:
     params:
         title=get_study_title,
         x=get_study_x,
-    script:
-        "../scripts/figures.py"
+    run:
+        with in_process_job(log[0]):
+            write_study_figures(input[0], params.title, params.x, Path(output.ttft).parent)

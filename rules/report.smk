@@ -1,6 +1,7 @@
-# Findings: the answer at the SLO first, then the study's comparisons as tables and sentences
-# (inside Snakemake, as the summaries; the charts render in jobs of their own).
+# Findings: the answer at the SLO first, then the study's comparisons as tables and sentences;
+# the answer's charts; the front page. All inside Snakemake, as the summaries.
 from servematrix.findings import write_findings
+from servematrix.overview import write_answer_figures, write_overview
 
 
 rule findings:
@@ -58,8 +59,11 @@ rule answer_figures:
         "results/{backend}/logs/figures/{study}-answer.log",
     params:
         title=get_study_title,
-    script:
-        "../scripts/answer_figures.py"
+    run:
+        with in_process_job(log[0]):
+            write_answer_figures(
+                input.summary, input.capacity, params.title, Path(output.capacity).parent
+            )
 
 
 rule overview:
@@ -79,5 +83,13 @@ rule overview:
     params:
         names=list(STUDIES),
         titles=[study.title for study in STUDIES.values()],
-    script:
-        "../scripts/overview.py"
+    run:
+        with in_process_job(log[0]):
+            write_overview(
+                params.names,
+                params.titles,
+                input.summaries,
+                input.capacity,
+                input.recommendations,
+                output[0],
+            )

@@ -5,15 +5,23 @@ The browser test fails (never skips) without Chromium: `make test` installs it w
 
 from __future__ import annotations
 
+import json
 import re
 import struct
+from dataclasses import asdict
 
 import polars as pl
 import pytest
 
 from servematrix import browser
 from servematrix.findings.common import Section, Table
-from servematrix.overview import StudyPage, capacity_chart, overview_html, pareto_chart
+from servematrix.overview import (
+    StudyPage,
+    capacity_chart,
+    overview_html,
+    pareto_chart,
+    write_overview,
+)
 
 CAPACITY = pl.DataFrame(
     {
@@ -40,15 +48,17 @@ SUMMARY = pl.DataFrame(
 )
 
 
+ANSWER = Section("Recommendation", ["Run chunked."], [Table(["rank"], [["1"]])])
+
+
 def page(n_studies: int = 2) -> str:
-    answer = Section("Recommendation", ["Run chunked."], [Table(["rank"], [["1"]])])
     pages = [
         StudyPage(
             f"s{i}",
             f"Study <{i}>",
-            answer,
-            capacity_chart(CAPACITY, "t"),
-            pareto_chart(SUMMARY, CAPACITY, "t"),
+            ANSWER,
+            capacity_chart(CAPACITY, f"Study <{i}>"),
+            pareto_chart(SUMMARY, CAPACITY, f"Study <{i}>"),
         )
         for i in range(n_studies)
     ]
@@ -60,6 +70,24 @@ def test_the_page_holds_every_study_its_table_and_captioned_charts():
     assert text.count("<figcaption>") == 6 and text.count("vegaEmbed('#") == 6
     assert "Study &lt;1&gt;" in text and "<td>1</td>" in text
     assert not re.search(r"<script[^>]+src=", text)  # Vega is inlined: no network to view it
+
+
+def test_the_workflow_job_builds_the_same_page_from_the_files_its_jobs_wrote(tmp_path):
+    """`write_overview` (the overview rule) reads each study's summary, capacity table and
+    recommendation JSON from disk: the page is the one built from the same tables in memory."""
+    SUMMARY.write_parquet(tmp_path / "summary.parquet")
+    CAPACITY.write_parquet(tmp_path / "capacity.parquet")
+    (tmp_path / "answer.json").write_text(json.dumps(asdict(ANSWER)), encoding="utf-8")
+    write_overview(
+        ["s0", "s1"],
+        ["Study <0>", "Study <1>"],
+        [tmp_path / "summary.parquet"] * 2,
+        [str(tmp_path / "capacity.parquet")] * 2,
+        [tmp_path / "answer.json"] * 2,
+        tmp_path / "overview.html",
+    )
+    written = (tmp_path / "overview.html").read_text(encoding="utf-8")
+    assert written == page(2).replace("front page", "servematrix: what to run at the SLO")
 
 
 def png_size(path) -> tuple[int, int]:

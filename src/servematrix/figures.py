@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -299,11 +300,19 @@ def study_figures(summary: pl.DataFrame, title: str, x: str) -> dict[str, alt.VC
     return figures
 
 
-def write_study_figures(summary: pl.DataFrame, title: str, x: str, out_dir: Path) -> list[Path]:
+TableSource = pl.DataFrame | str | os.PathLike[str]
+"""A table in memory, or the path of its Parquet file (as a workflow job is given it)."""
+
+
+def frame(table: TableSource) -> pl.DataFrame:
+    return table if isinstance(table, pl.DataFrame) else pl.read_parquet(table)
+
+
+def write_study_figures(summary: TableSource, title: str, x: str, out_dir: Path) -> list[Path]:
     """Write ``{ttft,tpot,itl,throughput,memory}.{svg,html}`` for one study; returns the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, chart in study_figures(summary, title, x).items():
+    for name, chart in study_figures(frame(summary), title, x).items():
         written += save_figure(chart, out_dir / name)
     return written

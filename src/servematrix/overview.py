@@ -11,6 +11,7 @@ loads; the upper right is better, and a configuration below another's curve is d
 from __future__ import annotations
 
 import html
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +19,11 @@ from pathlib import Path
 import altair as alt
 import polars as pl
 
-from servematrix.figures import save_figure, vega_bundle
+from servematrix.figures import TableSource, frame, save_figure, vega_bundle
+from servematrix.files import write_text
 from servematrix.findings.common import Section
 from servematrix.findings.recommend import config_names
-from servematrix.findings.render import html_table
+from servematrix.findings.render import html_table, recommendation_of
 
 CAPACITY_CAPTION = (
     "Capacity per GPU at the SLO: the highest request rate each configuration serves within "
@@ -114,11 +116,12 @@ def pareto_chart(summary: pl.DataFrame, capacity: pl.DataFrame, title: str) -> a
 
 
 def write_answer_figures(
-    summary: pl.DataFrame, capacity: pl.DataFrame, title: str, out_dir: Path
+    summary: TableSource, capacity: TableSource, title: str, out_dir: Path
 ) -> list[Path]:
     """``capacity.{svg,html}`` and ``pareto.{svg,html}`` of one study."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    summary, capacity = frame(summary), frame(capacity)
     return save_figure(capacity_chart(capacity, title), out_dir / "capacity") + save_figure(
         pareto_chart(summary, capacity, title), out_dir / "pareto"
     )
@@ -160,6 +163,33 @@ def _study_html(i: int, page: StudyPage) -> tuple[str, list[tuple[str, str]]]:
         f'<ul>{sentences}</ul>{tables}<div class="charts">{figures}</div></section>'
     )
     return body, [(cid, chart.to_json()) for cid, chart, _ in charts]
+
+
+def write_overview(
+    names: Sequence[str],
+    titles: Sequence[str],
+    summaries: Sequence[TableSource],
+    capacities: Sequence[TableSource],
+    recommendations: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+) -> None:
+    """The front page of these studies (per study: its summary, capacity table and the
+    recommendation its findings job wrote)."""
+    pages = []
+    for name, title, summary, capacity, recommendation in zip(
+        names, titles, summaries, capacities, recommendations, strict=True
+    ):
+        table = frame(capacity)
+        pages.append(
+            StudyPage(
+                name,
+                title,
+                recommendation_of(recommendation),
+                capacity_chart(table, title),
+                pareto_chart(frame(summary), table, title),
+            )
+        )
+    write_text(output, overview_html(pages, "servematrix: what to run at the SLO"))
 
 
 def overview_html(pages: Sequence[StudyPage], heading: str) -> str:
