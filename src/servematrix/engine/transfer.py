@@ -250,10 +250,6 @@ class ProxyHop:
 
     request_ms: float = 1.5
     chunk_ms: float = 0.2
-    api_server_ms: float = 0.0
-    """Latency of each vLLM API server a request passes on its way to an engine, beyond its
-    serial work (``HostCost.request_ms``, in the engine instance): none is modelled, so 0;
-    kept because every trace records it in its ``proxy_hop`` parameters."""
 
 
 NO_PROXY = ProxyHop(0.0, 0.0)

@@ -74,7 +74,7 @@ class RoundRobin:
         n_inst = len(self.instances)
         total = w.warmup_requests + w.num_prompts
         chunks: list[list[float]] = [[] for _ in range(total)]
-        hop_in = (self.hop.request_ms + self.hop.api_server_ms) * 1e-3
+        hop_in = self.hop.request_ms * 1e-3
         hop_out = self.hop.chunk_ms * 1e-3
         targets = round_robin_targets(total, n_inst)
         make, refused = self.requests.new, self.requests.refused
