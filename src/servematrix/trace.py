@@ -76,8 +76,8 @@ _POLARS_TYPES = {
 POLARS_SCHEMA = pl.Schema({field.name: _POLARS_TYPES[field.type] for field in SCHEMA})
 NULLABLE = {"first_token_s", "end_s", "error", "preemptions"}
 OPTIONAL = {"preemptions"}
-LIST_COLUMNS = {"chunk_s", "chunk_tokens"}
 """Columns a trace written before them lacks; `read` adds them, all null."""
+LIST_COLUMNS = {"chunk_s", "chunk_tokens"}
 
 
 class TraceError(ValueError):
