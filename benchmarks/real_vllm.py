@@ -9,6 +9,11 @@ code and the cell runner), it compares, over the same requests (warm-up included
   each over the cell, from ``/metrics``; the median is interpolated inside a bucket, as
   Prometheus' ``histogram_quantile``, so it is only as fine as vLLM's buckets);
 - the trace's completion tokens with the growth of ``vllm:generation_tokens_total``;
+- how much of our client's mean TTFT lies outside vLLM's engine: less the engine's own mean
+  queue and prefill times (``vllm:request_queue_time_seconds``,
+  ``vllm:request_prefill_time_seconds``: scheduler queue, then scheduled to first token), what
+  is left is the HTTP path, the API server's input and output work and the hand-overs between
+  the API server and the engine core (the part of vLLM that runs the same on a GPU host);
 - the instance's start-up time and how often the warm deployment was reused.
 
 The client's times include what the server's cannot: the HTTP path both ways and vLLM's API
@@ -38,7 +43,12 @@ from servematrix.cell import run_cell
 from servematrix.deploy import warm
 from servematrix.vllmcpu import env
 
-HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds"}
+HISTOGRAMS = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
 
 
 def _free_port() -> int:
@@ -145,6 +155,10 @@ def main() -> None:
     print_table(rows)
 
 
+def _mean(server: dict, key: str) -> float:
+    return server[f"{key}_sum"] / server[f"{key}_count"]
+
+
 def _ms(value: float) -> str:
     return f"{value * 1e3:.1f}"
 
@@ -153,9 +167,10 @@ def print_table(rows: list) -> None:
     print(
         "| QPS | requests (failed) | TTFT mean client / server (ms) | TTFT median client / "
         "server | ITL mean client / server (ms) | ITL median client / server | completion "
-        "tokens trace / server | deployment (start-up) |"
+        "tokens trace / server | engine queue + prefill mean (ms) | outside the engine (ms) | "
+        "deployment (start-up) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for qps, client, server in rows:
         deployment = client["meta"]["deployment"]
         started = deployment["started"]
@@ -163,11 +178,13 @@ def print_table(rows: list) -> None:
         cells = [
             f"{qps:g}",
             f"{len(client['ttft'])} ({client['failed']})",
-            f"{_ms(client['ttft'].mean())} / {_ms(server['ttft_sum'] / server['ttft_count'])}",
+            f"{_ms(client['ttft'].mean())} / {_ms(_mean(server, 'ttft'))}",
             f"{_ms(np.median(client['ttft']))} / {_ms(quantile(server['ttft_buckets'], 0.5))}",
-            f"{_ms(client['itl'].mean())} / {_ms(server['itl_sum'] / server['itl_count'])}",
+            f"{_ms(client['itl'].mean())} / {_ms(_mean(server, 'itl'))}",
             f"{_ms(np.median(client['itl']))} / {_ms(quantile(server['itl_buckets'], 0.5))}",
             f"{client['tokens']} / {server['generation_tokens']:.0f}",
+            f"{_ms(_mean(server, 'queue'))} + {_ms(_mean(server, 'prefill'))}",
+            _ms(client["ttft"].mean() - _mean(server, "queue") - _mean(server, "prefill")),
             f"{started} ({startup})",
         ]
         print("| " + " | ".join(cells) + " |")

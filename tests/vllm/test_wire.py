@@ -59,6 +59,8 @@ HISTOGRAMS = (
     "vllm:time_to_first_token_seconds_bucket",
     "vllm:inter_token_latency_seconds_bucket",
     "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:request_queue_time_seconds_bucket",
+    "vllm:request_prefill_time_seconds_bucket",
 )
 
 
