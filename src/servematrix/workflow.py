@@ -109,8 +109,9 @@ _IN_PROCESS = threading.Lock()
 @contextlib.contextmanager
 def in_process_job(log_path: str) -> Iterator[logging.Logger]:
     """A job that runs inside the Snakemake process: a `run:` rule (a simulated cell or capacity
-    search, a summary, a findings page), which the default profile's ``force-use-threads`` runs
-    in a thread, where a script job would pay ~1.3 s for a new interpreter and its imports.
+    search, a summary, a findings page, a study's charts), which the default profile's
+    ``force-use-threads`` runs in a thread, where a script job would pay ~1.3 s for a new
+    interpreter and its imports.
 
     One such job at a time (the simulator is single-threaded Python and its step-time caches
     are shared, so a second thread would only wait for the first); the package's log records
