@@ -21,7 +21,8 @@ class GpuSpec:
     """One GPU model. ``interconnect_gb_s`` is the per-direction bandwidth between two GPUs of a
     TP group (NVLink, or the effective PCIe all-reduce bandwidth on PCIe cards);
     ``host_link_gb_s`` the per-direction bandwidth of its PCIe link to the host (the datasheet's
-    x16 rate: Gen4 32 GB/s, Gen5 64 GB/s), which CPU KV offloading copies over."""
+    x16 rate: Gen4 32 GB/s, Gen5 64 GB/s), which CPU KV offloading copies over;
+    ``compute_capability`` the CUDA one (vLLM picks FlashAttention-3 on 9.x, version 2 below)."""
 
     name: str
     memory_gib: float
@@ -31,6 +32,7 @@ class GpuSpec:
     interconnect_gb_s: float
     nvlink: bool
     host_link_gb_s: float
+    compute_capability: float
 
     @property
     def memory_bytes(self) -> float:
@@ -48,20 +50,20 @@ class GpuSpec:
 GPUS: dict[str, GpuSpec] = {
     # NVIDIA A100 datasheet (SXM4 80GB): 2,039 GB/s HBM2e, 312 TF BF16 dense, NVLink 3
     # 600 GB/s bidirectional = 300 GB/s per direction. The driver reports 79.15 GiB.
-    "A100-SXM4-80GB": GpuSpec("A100-SXM4-80GB", 79.15, 2.039, 312.0, None, 300.0, True, 32.0),
+    "A100-SXM4-80GB": GpuSpec("A100-SXM4-80GB", 79.15, 2.039, 312.0, None, 300.0, True, 32.0, 8.0),
     # NVIDIA H100 datasheet (SXM5): 3.35 TB/s HBM3, 989 TF BF16 / 1,979 TF FP8 dense, NVLink 4
     # 900 GB/s bidirectional. The driver reports 79.1 GiB.
-    "H100-SXM5-80GB": GpuSpec("H100-SXM5-80GB", 79.1, 3.35, 989.0, 1979.0, 450.0, True, 64.0),
+    "H100-SXM5-80GB": GpuSpec("H100-SXM5-80GB", 79.1, 3.35, 989.0, 1979.0, 450.0, True, 64.0, 9.0),
     # NVIDIA H200 datasheet: 141 GB HBM3e at 4.8 TB/s, same compute die as H100;
     # aiconfigurator h200_sxm.yaml agrees. 141 GB decimal = 131.3 GiB, ~0.5 GiB reserved.
-    "H200-SXM-141GB": GpuSpec("H200-SXM-141GB", 130.8, 4.8, 989.0, 1979.0, 450.0, True, 64.0),
+    "H200-SXM-141GB": GpuSpec("H200-SXM-141GB", 130.8, 4.8, 989.0, 1979.0, 450.0, True, 64.0, 9.0),
     # NVIDIA A10 datasheet: 24 GB GDDR6 at 600 GB/s, 125 TF BF16 dense, PCIe Gen4 x16 only.
     # No NVLink: NCCL all-reduce over PCIe reaches ~16 GB/s effective bus bandwidth
     # (nccl-tests on PCIe Gen4 hosts; approximate). The driver reports 22.1 GiB.
-    "A10-24GB": GpuSpec("A10-24GB", 22.1, 0.600, 125.0, None, 16.0, False, 32.0),
+    "A10-24GB": GpuSpec("A10-24GB", 22.1, 0.600, 125.0, None, 16.0, False, 32.0, 8.6),
     # NVIDIA L40S datasheet: 48 GB GDDR6 at 864 GB/s, 362 TF BF16 / 733 TF FP8 dense
     # (the 1,466 TF figure is sparse), PCIe Gen4 x16. The driver reports 44.4 GiB.
-    "L40S-48GB": GpuSpec("L40S-48GB", 44.4, 0.864, 362.0, 733.0, 16.0, False, 32.0),
+    "L40S-48GB": GpuSpec("L40S-48GB", 44.4, 0.864, 362.0, 733.0, 16.0, False, 32.0, 8.9),
 }
 
 

@@ -22,6 +22,7 @@ from servematrix.engine.aic_table import (
     select_step_time_model,
 )
 from servematrix.engine.architecture import Architecture, load_architecture, shipped
+from servematrix.engine.attention import WithMixedStepKvReads, rereads_decode_kv
 from servematrix.engine.hardware import DEFAULT_GPU, GpuSpec, gpu_spec
 from servematrix.engine.host import NO_HOST_COST, HostCost, WithHostCost, host_cost
 from servematrix.engine.instance import EngineInstance, Jitter
@@ -275,7 +276,8 @@ def warn_fallback(
 def step_time_model(
     arch: Architecture, flags: EngineFlags, scheduler: SchedulerConfig
 ) -> StepTimeChoice:
-    """The GPU step (below) plus the recipe's host-side cost per step
+    """The GPU step (below), V1's FlashAttention-2 rereads in mixed steps
+    (``servematrix.engine.attention``) and the recipe's host-side cost per step
     (``servematrix.engine.host``), for ``flags`` and the scheduler vLLM runs with them (V1's
     largest step under CUDA graphs follows from its seats and token budget)."""
     graph_max = (
@@ -284,6 +286,10 @@ def step_time_model(
         else None
     )
     choice = _gpu_step_time_model(arch, flags, graph_max)
+    gpu = gpu_spec(flags.gpu)
+    if rereads_decode_kv(gpu, arch, flags.recipe):
+        rereads = WithMixedStepKvReads(choice.model, arch, gpu, flags.tensor_parallel)
+        choice = replace(choice, model=rereads, label=f"{choice.label} + {rereads.label}")
     cost = host_cost(flags.recipe, flags.enforce_eager)
     if cost == NO_HOST_COST:
         return choice
