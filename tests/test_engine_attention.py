@@ -80,8 +80,9 @@ def _setup(gpu: str, recipe: str):
 def test_engine_setup_applies_it_to_v1_on_a100_only():
     v1_a100 = _setup("A100-SXM4-80GB", "v1")
     assert "FA2 mixed steps read decode KV x5" in v1_a100.step_time_label
-    assert v1_a100.step_time.step_ms(MIXED) > v1_a100.step_time.step_ms(
-        StepBatch(prefill_chunks=((1950, 0),))
-    ) + 80
+    assert (
+        v1_a100.step_time.step_ms(MIXED)
+        > v1_a100.step_time.step_ms(StepBatch(prefill_chunks=((1950, 0),))) + 80
+    )
     assert "FA2" not in _setup("H100-SXM5-80GB", "v1").step_time_label
     assert "FA2" not in _setup("A100-SXM4-80GB", "v0").step_time_label
