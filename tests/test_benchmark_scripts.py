@@ -77,6 +77,19 @@ def test_trace_replay_prints_its_table_on_a_window() -> None:
     assert any(line.split()[:2] == ["chunked", "50"] for line in result.stdout.splitlines())
 
 
+def test_sessions_ttft_prints_caching_lowering_later_turns() -> None:
+    result = _run(ROOT / "benchmarks" / "sessions_ttft.py")
+    assert result.returncode == 0, result.stderr
+    rows = {
+        tuple(cells[1:3]): [float(v) for v in cells[3:5]]
+        for line in result.stdout.splitlines()
+        if (cells := [c.strip() for c in line.split("|")])[1] in ("single", "nondisagg")
+    }
+    for mode in ("single", "nondisagg"):
+        (first_off, later_off), (first_on, later_on) = rows[mode, "off"], rows[mode, "on"]
+        assert first_on == first_off and later_on < 0.5 * later_off < first_off
+
+
 def _run(script: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(script), *args],
