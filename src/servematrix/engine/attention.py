@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from servematrix.engine.architecture import Architecture
 from servematrix.engine.hardware import GpuSpec
+from servematrix.engine.kvcache import kv_bytes_per_token_per_gpu
 from servematrix.engine.roofline import DEFAULT_EFFICIENCY, EFFICIENCY
 from servematrix.engine.steptime import StepBatch, StepTimeModel
 
@@ -50,9 +51,9 @@ class WithMixedStepKvReads:
 
     def __init__(self, model: StepTimeModel, arch: Architecture, gpu: GpuSpec, tp: int):
         self.model = model
-        kv_heads_per_rank = max(arch.num_kv_heads / tp, 1.0)
+        kv_heads_per_rank = max(arch.num_kv_heads / tp, 1.0)  # replicated below one per rank
         self.query_heads_per_kv_head = arch.num_attention_heads / tp / kv_heads_per_rank
-        kv_bytes_per_token = 2 * arch.num_layers * kv_heads_per_rank * arch.head_dim * 2
+        kv_bytes_per_token = kv_bytes_per_token_per_gpu(arch, tp)
         mbu = EFFICIENCY.get(gpu.name, DEFAULT_EFFICIENCY).mbu_max
         self.reread_ms_per_context_token = (
             (self.query_heads_per_kv_head - 1)
