@@ -21,14 +21,17 @@ BLOCK_SIZE_TOKENS = 16
 """vLLM's default ``--block-size`` on CUDA (V0 and V1)."""
 
 RUNTIME_RESERVE_GIB = 1.0
-"""CUDA context, cuBLAS workspaces and allocator fragmentation that vLLM counts as "non-torch"
-memory, per GPU (about 0.5-1 GiB in vLLM's start-up log; approximate)."""
+"""CUDA context, cuBLAS workspaces and allocator fragmentation per GPU (approximate). vLLM
+measures from a snapshot taken after the CUDA context exists, so it counts only the growth
+after it: about 0.5 GiB less than this (docs/engine-model.md, "KV memory and quantization")."""
 
 TP_RESERVE_GIB = 0.5
-"""NCCL and custom all-reduce buffers per GPU when TP > 1 (approximate)."""
+"""NCCL and custom all-reduce buffers per GPU when TP > 1 (approximate); V0 counts them, V1
+takes its snapshot after NCCL is initialized and does not."""
 
 CUDA_GRAPH_RESERVE_GIB = 0.5
-"""CUDA graphs captured for decode batch sizes 1..512 (vLLM logs 0.3-1 GiB; approximate)."""
+"""CUDA graphs captured for decode batch sizes 1..512 (vLLM logs 0.3-1 GiB; approximate); only
+V1 from 0.21 subtracts an estimate of them, earlier versions capture them after sizing the cache."""
 
 ACTIVATION_COPIES = 4
 """Hidden-sized activation buffers live at the peak of a forward pass (residual, normed input,
