@@ -185,22 +185,26 @@ def test_validation_header_cites_every_source_with_a_commit() -> None:
     assert "H100_results.md\n#                 @ c41e22af024ae4166f175e52f43e070cb148b7c5" in header
     gpustack = "qwen3-14b/a100.md\n#                 @ 10e9444a07c73556f2ef0d10d2b2766bbf54c9c0"
     assert gpustack in header
+    spotcheck = "qwq-32b/vllm-*.json @ b2f80f2c9a2d1ae110f789939b13e2a84c71104e"
+    assert spotcheck in header
     for source in {run.source for run in RUNS}:
         assert f"#   {source}:" in header
 
 
 def test_validation_set_size_and_coverage() -> None:
     values = [(run, metric) for run in RUNS for metric in run.published]
-    assert len(values) >= 300
+    assert len(values) >= 400
     assert Counter(run.source for run, _ in values) == {
         "qwen25-speed": 147,
         "kvcached-h100": 6,
         "gpustack-lab": 170,
+        "vllm-spotcheck": 80,
     }
+    gpus = {"A100-SXM4-80GB", "H100-SXM5-80GB", "H200-SXM-141GB"}
     loaded = [run for run in RUNS if run.regime != "low"]
-    assert {run.gpu for run in loaded} == {"A100-SXM4-80GB", "H100-SXM5-80GB"}
-    assert sum(len(run.published) for run in loaded) >= 100
-    assert {run.gpu for run in RUNS} == {"A100-SXM4-80GB", "H100-SXM5-80GB"}
+    assert {run.gpu for run in loaded} == gpus
+    assert sum(len(run.published) for run in loaded) >= 180
+    assert {run.gpu for run in RUNS} == gpus
     assert {run.regime for run in RUNS} == set(fidelity.REGIMES)
 
 
