@@ -232,3 +232,16 @@ def test_v0_chunked_budget_follows_the_vllm_version() -> None:
     by_row = {run.row: run for run in RUNS}
     assert fidelity._v0_chunked_budget(by_row["7B BF16 tp1 in63488 [setting-64k]"]) == 512
     assert fidelity._v0_chunked_budget(by_row["7B BF16 tp1 in6144"]) is None
+
+
+def test_finite_rate_rows_are_simulated_at_the_sends_their_clients_drew() -> None:
+    finite = [r for r in RUNS if r.request_rate is not None and r.request_rate != float("inf")]
+    assert {r.source for r in finite} == {"kvcached-h100", "vllm-spotcheck"}
+    for run in finite:
+        schedules = fidelity.published_sends(run)
+        assert len(schedules) == {"kvcached-h100": 3, "vllm-spotcheck": 1}[run.source]
+        assert all(len(sends) == run.num_prompts for sends in schedules)
+    burst = [r for r in RUNS if r.request_rate == float("inf") or r.interface == "offline-llm"]
+    assert burst and all(fidelity.published_sends(r) is None for r in burst)
+    with pytest.raises(ValueError, match=r"no reconstruction of vLLM 0\.11\.0's client"):
+        fidelity.published_sends(replace(finite[0], vllm="0.11.0"))

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from servematrix.schedule import arrival_times
+from servematrix.schedule import arrival_times, bench_serve_019_sends, benchmark_serving_08_sends
 
 
 def test_matches_vllm_benchmark_client_with_seed_0():
@@ -30,3 +30,23 @@ def test_seed_changes_the_schedule_and_is_reproducible():
 def test_rejects_bad_arguments(n, qps, burst):
     with pytest.raises(ValueError):
         arrival_times(n, qps, burst, 0)
+
+
+def test_vllm_08_client_sends_follow_its_random_dataset_draws():
+    # The spot check's 1,000/2,000 run (seed 0, QwQ-32B's tokenizer): these sends put the last
+    # request's end at 47.68 s, against the published duration of 47.71 s.
+    sends = benchmark_serving_08_sends(50, 10.0, 0, 1000, 2000, 151643)
+    assert sends[:5] == pytest.approx([0.0, 0.1196, 0.1258, 0.2357, 0.3468], abs=1e-4)
+    assert sends[-1] == pytest.approx(3.8687, abs=1e-4)
+    # The dataset's draws come first: the same seed without them is another schedule.
+    assert not np.allclose(sends, arrival_times(50, 10.0, 1.0, 0))
+    # ... and they depend on the tokenizer's vocabulary, which bounds the offsets drawn.
+    assert not np.allclose(sends, benchmark_serving_08_sends(50, 10.0, 0, 1000, 2000, 32000))
+
+
+def test_vllm_019_client_sends_are_rescaled_to_end_at_n_over_qps():
+    sends = bench_serve_019_sends(4, 2.0, 0)
+    draws = np.cumsum(np.random.RandomState(0).gamma(1.0, 0.5, size=4))
+    assert sends == pytest.approx(draws * 2.0 / draws[-1])
+    assert sends[0] > 0 and sends[-1] == pytest.approx(2.0)
+    assert bench_serve_019_sends(500, 16.0, 42)[-1] == pytest.approx(31.25)

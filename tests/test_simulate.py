@@ -703,3 +703,25 @@ def test_objects_the_process_froze_stay_frozen():
         assert not any(obj is marker for obj in gc.get_objects())  # still frozen
     finally:
         gc.unfreeze()
+
+
+def test_given_send_times_replace_the_seeded_schedule():
+    c = cell(qps=4.0, n=5)
+    sends = [0.0, 0.05, 0.05, 1.0, 2.5]
+    records = [r for r in simulate(c, send_times_s=sends).records if not r.warmup]
+    assert [r.sent_s for r in records] == pytest.approx(sends)
+    seeded = [r.sent_s for r in simulate(c).records if not r.warmup]
+    assert seeded != pytest.approx(sends)
+
+
+@pytest.mark.parametrize(
+    ("sends", "message"),
+    [
+        ([0.0, 1.0], "has 2 times for a workload of 5 requests"),
+        ([0.0, 1.0, 0.5, 2.0, 3.0], "non-decreasing"),
+        ([0.0, 1.0, float("nan"), 2.0, 3.0], "finite"),
+    ],
+)
+def test_given_send_times_are_checked(sends, message):
+    with pytest.raises(ValueError, match=message):
+        simulate(cell(n=5), send_times_s=sends)

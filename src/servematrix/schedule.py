@@ -30,3 +30,34 @@ def arrival_times(num_prompts: int, qps: float, burstiness: float, seed: int) ->
     else:
         gaps = rng.gamma(shape=burstiness, scale=1.0 / (qps * burstiness), size=num_prompts - 1)
     return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def benchmark_serving_08_sends(
+    num_prompts: int, qps: float, seed: int, input_len: int, output_len: int, vocab_size: int
+) -> np.ndarray:
+    """The send times vLLM 0.8's ``benchmarks/benchmark_serving.py`` draws for a random-dataset
+    run at ``--seed seed`` (default range ratio 1.0, no prefix), as published runs of it drew them.
+
+    Read in the 0.8.2 sdist: ``main`` seeds NumPy's global generator; ``RandomDataset.sample``
+    then draws the input lengths, the output lengths and one token offset per prompt below the
+    tokenizer's ``vocab_size`` from it; ``get_request`` sends the first request at once and
+    draws ``gamma(burstiness, 1/(qps·burstiness))`` after each. The dataset's draws advance the
+    stream, so the same seed gives other arrivals than `arrival_times` (burstiness 1 here)."""
+    rng = np.random.RandomState(seed)
+    rng.randint(input_len, input_len + 1, size=num_prompts)
+    rng.randint(output_len, output_len + 1, size=num_prompts)
+    rng.randint(0, vocab_size, size=num_prompts)
+    gaps = rng.gamma(shape=1.0, scale=1.0 / qps, size=num_prompts - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def bench_serve_019_sends(num_prompts: int, qps: float, seed: int) -> np.ndarray:
+    """The send times ``vllm bench serve`` of vLLM 0.19 draws at ``--seed seed`` (Poisson, no
+    ramp-up), as published runs of it drew them.
+
+    Read in the 0.19.0 sdist (``vllm/benchmarks/serve.py`` ``get_request``): one gamma delay per
+    request from NumPy's global generator seeded in ``main`` (the random dataset draws from its
+    own ``default_rng``), the first request's included; their running sums are then rescaled so
+    the last request goes at ``num_prompts / qps``."""
+    delays = np.cumsum(np.random.RandomState(seed).gamma(1.0, 1.0 / qps, size=num_prompts))
+    return delays * (num_prompts / qps) / delays[-1]

@@ -37,10 +37,12 @@ simulator.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import numpy as np
 
 from servematrix.engine.kvcache import KvMemoryPlan
 from servematrix.engine.setup import DEFAULT_GPU, EngineSetup, cell_engine_setup
@@ -80,15 +82,38 @@ class SimulationResult:
 
 
 def simulate(
-    cell: Cell, step_time: StepTimeModel | None = None, *, one_queue: bool = False
+    cell: Cell,
+    step_time: StepTimeModel | None = None,
+    *,
+    one_queue: bool = False,
+    send_times_s: Sequence[float] | None = None,
 ) -> SimulationResult:
     """Simulate one cell in virtual time; deterministic for the cell's seed.
 
     ``step_time`` replaces the engine's step-time model. A V1 disaggregated cell without a
     concurrency cap runs pipelined (`servematrix.simulate.v1`) unless ``one_queue``: the same
-    records either way, which is what ``one_queue`` is there to check."""
+    records either way, which is what ``one_queue`` is there to check. ``send_times_s``
+    replaces the workload's seeded schedule (`servematrix.workload.measured_sends`): when
+    each measured request is sent, in seconds from the benchmark start, one per request in
+    order, e.g. the schedule a published benchmark run drew."""
+    if send_times_s is not None:
+        send_times_s = _checked_sends(cell, send_times_s)
     with _cyclic_gc_paused():
-        return _simulate(cell, step_time, one_queue)
+        return _simulate(cell, step_time, one_queue, send_times_s)
+
+
+def _checked_sends(cell: Cell, send_times_s: Sequence[float]) -> np.ndarray:
+    w = cell.workload
+    if w.sessions is not None:
+        raise ValueError("send_times_s cannot replace a multi-turn workload's schedule")
+    sends = np.asarray(send_times_s, dtype=float)
+    if sends.shape != (w.num_prompts,):
+        raise ValueError(
+            f"send_times_s has {sends.size} times for a workload of {w.num_prompts} requests"
+        )
+    if not (np.all(np.isfinite(sends)) and np.all(sends >= 0) and np.all(np.diff(sends) >= 0)):
+        raise ValueError("send_times_s must be finite, non-negative and non-decreasing")
+    return sends
 
 
 @contextmanager
@@ -118,11 +143,14 @@ def _cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _simulate(cell: Cell, step_time: StepTimeModel | None, one_queue: bool) -> SimulationResult:
+def _simulate(
+    cell: Cell, step_time: StepTimeModel | None, one_queue: bool, given_sends: np.ndarray | None
+) -> SimulationResult:
     setup = cell_engine_setup(cell, step_time)
     workload = cell.workload
     turns = session_plan(workload) if workload.sessions is not None else None
-    sends = measured_sends(workload)  # a session's first turns; the rest follow their turns
+    # a session's first turns; the rest follow their turns
+    sends = measured_sends(workload) if given_sends is None else given_sends
     counter = (
         None
         if workload.dataset in ("random", "mooncake")
