@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from servematrix import schedule
 from servematrix.cell import identity
 from servematrix.matrix import MODES, Cell, ModelSpec, ModeSpec, Serving, Workload
 from servematrix.metrics import CellMetrics, compute
@@ -244,7 +245,7 @@ def setup_for(row: PublishedRow) -> Setup:
     return Setup(row, cell, _approximations(row))
 
 
-def predict(cell: Cell, send_times_s: Any = None) -> CellMetrics:
+def predict(cell: Cell, send_times_s: Sequence[float] | None = None) -> CellMetrics:
     """Simulate one cell (at ``send_times_s`` if given) and compute the client's metrics."""
     result = simulate(cell, send_times_s=send_times_s)
     return compute(to_table(identity(cell), result.records, {}))
@@ -631,13 +632,11 @@ of the spot check's 1,000/2,000 H100 run put its last request's end (send + publ
 ITLs) at 47.68 s against the published duration of 47.71 s."""
 
 
-def published_sends(run: ValidationRun) -> list[Any] | None:
+def published_sends(run: ValidationRun) -> list[Sequence[float]] | None:
     """The send times each published run of a finite-rate ``serve`` row drew, from its client's
     code and seed (`servematrix.schedule`): the published input, not a fresh Poisson draw.
     None when every request goes at t = 0 (rate inf, with or without a concurrency cap).
     Raises ValueError for a finite-rate row whose client is not reconstructed."""
-    from servematrix import schedule
-
     if run.request_rate is None or run.request_rate == float("inf"):
         return None
     seeds = PUBLISHED_CLIENT_SEEDS.get(run.source)
