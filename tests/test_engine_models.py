@@ -6,7 +6,12 @@ import pytest
 
 from servematrix.engine.architecture import load_architecture
 from servematrix.engine.hardware import gpu_spec
-from servematrix.engine.kvcache import BlockPool, ModelDoesNotFitError, plan_kv_memory
+from servematrix.engine.kvcache import (
+    BlockPool,
+    ModelDoesNotFitError,
+    counted_reserve_gib,
+    plan_kv_memory,
+)
 from servematrix.engine.roofline import RooflineStepTime, weight_bytes
 from servematrix.engine.steptime import StepBatch
 from servematrix.engine.transfer import TransferLink
@@ -59,6 +64,7 @@ def plan(arch_name: str, quantization: str, tp: int):
         max_model_len=10_000,
         max_num_batched_tokens=10_000,
         max_num_seqs=256,
+        reserve_gib=counted_reserve_gib("v1", tp, enforce_eager=False),
     )
 
 

@@ -13,7 +13,7 @@ from servematrix import cli
 from servematrix.engine.setup import build_engine_setup
 from tests.conftest import SMALL_CONFIG
 
-UTILIZATION = 0.1  # a pool of 15,184 tokens, inside the model's context of 32,768
+UTILIZATION = 0.088  # a pool of 16,112 tokens, inside the model's context of 32,768
 
 
 def pool_blocks() -> int:

@@ -20,18 +20,33 @@ from servematrix.engine.hardware import GIB, GpuSpec
 BLOCK_SIZE_TOKENS = 16
 """vLLM's default ``--block-size`` on CUDA (V0 and V1)."""
 
-RUNTIME_RESERVE_GIB = 1.0
-"""CUDA context, cuBLAS workspaces and allocator fragmentation per GPU (approximate). vLLM
-measures from a snapshot taken after the CUDA context exists, so it counts only the growth
-after it: about 0.5 GiB less than this (docs/engine-model.md, "KV memory and quantization")."""
+RUNTIME_RESERVE_GIB = 0.5
+"""cuBLAS workspaces, attention-backend buffers and allocator fragmentation per GPU
+(approximate; published V1 logs show 0.02-0.61 GiB of such non-torch growth). Every vLLM
+version measures from a snapshot taken after the CUDA context exists, so the context itself
+is not counted (docs/engine-model.md, "KV memory and quantization")."""
 
 TP_RESERVE_GIB = 0.5
-"""NCCL and custom all-reduce buffers per GPU when TP > 1 (approximate); V0 counts them, V1
-takes its snapshot after NCCL is initialized and does not."""
+"""NCCL and custom all-reduce buffers per GPU when TP > 1 (approximate). V0 counts them (its
+snapshot is taken before the distributed init); V1 takes it after NCCL is initialized."""
 
 CUDA_GRAPH_RESERVE_GIB = 0.5
-"""CUDA graphs captured for decode batch sizes 1..512 (vLLM logs 0.3-1 GiB; approximate); only
-V1 from 0.21 subtracts an estimate of them, earlier versions capture them after sizing the cache."""
+"""CUDA graphs captured for decode batch sizes 1..512 (vLLM logs 0.3-1 GiB; approximate). V1
+subtracts its estimate of them from 0.21 on (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``,
+default 1; none under ``--enforce-eager``); V0 captures them after sizing the cache."""
+
+
+def counted_reserve_gib(recipe: str, tp: int, enforce_eager: bool) -> float:
+    """What the recipe's vLLM subtracts from its budget beyond weights and activations: the
+    ``v0`` pin (0.6.6.post1) counts the TP buffers, not the graphs; the ``v1`` pin (0.33) the
+    graphs, not the TP buffers."""
+    reserve = RUNTIME_RESERVE_GIB
+    if recipe == "v0" and tp > 1:
+        reserve += TP_RESERVE_GIB
+    if recipe == "v1" and not enforce_eager:
+        reserve += CUDA_GRAPH_RESERVE_GIB
+    return reserve
+
 
 ACTIVATION_COPIES = 4
 """Hidden-sized activation buffers live at the peak of a forward pass (residual, normed input,
@@ -90,13 +105,13 @@ def plan_kv_memory(
     max_model_len: int,
     max_num_batched_tokens: int,
     max_num_seqs: int,
+    reserve_gib: float,
 ) -> KvMemoryPlan:
-    """Size the KV pool of one instance; raise :class:`ModelDoesNotFitError` like vLLM would."""
+    """Size the KV pool of one instance (``reserve_gib``: `counted_reserve_gib`); raise
+    :class:`ModelDoesNotFitError` like vLLM would."""
     usable = gpu.memory_bytes * gpu_memory_utilization
     weights = weight_bytes / tp
-    reserve = (RUNTIME_RESERVE_GIB + CUDA_GRAPH_RESERVE_GIB) * GIB
-    if tp > 1:
-        reserve += TP_RESERVE_GIB * GIB
+    reserve = reserve_gib * GIB
     activation = activation_bytes_per_gpu(arch, tp, max_num_batched_tokens, max_num_seqs)
     if weights + reserve > usable:
         raise ModelDoesNotFitError(

@@ -30,6 +30,7 @@ from servematrix.engine.kvcache import (
     BlockPool,
     KvMemoryPlan,
     KvOffload,
+    counted_reserve_gib,
     kv_offload,
     plan_kv_memory,
 )
@@ -201,6 +202,7 @@ def plan_engine(architecture: str | Architecture, flags: EngineFlags) -> EngineP
         max_model_len=flags.max_model_len,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         max_num_seqs=sched.max_num_seqs,
+        reserve_gib=counted_reserve_gib(flags.recipe, flags.tensor_parallel, flags.enforce_eager),
     )
     return EnginePlan(arch, spec, sched, kv)
 
