@@ -434,8 +434,8 @@ THROUGHPUT_METRICS = ("speed_tokens_per_s", "request_throughput_per_s")
 SETUP_COLUMNS = (
     "source", "row", "gpu", "model", "architecture", "quantization", "tp", "vllm", "recipe",
     "interface", "dataset", "input_len", "output_len", "num_prompts", "request_rate",
-    "max_concurrency", "max_model_len", "gpu_memory_utilization", "enforce_eager", "regime",
-    "note",
+    "max_concurrency", "max_model_len", "gpu_memory_utilization", "enforce_eager",
+    "prefix_caching", "regime", "note",
 )  # fmt: skip
 
 
@@ -462,6 +462,7 @@ class ValidationRun:
     max_model_len: int
     gpu_memory_utilization: float
     enforce_eager: bool
+    prefix_caching: bool
     regime: str
     note: str
     published: dict[str, float]
@@ -506,6 +507,7 @@ def load_validation(path: Path = VALIDATION_CSV) -> list[ValidationRun]:
                 max_model_len=int(record["max_model_len"]),
                 gpu_memory_utilization=float(record["gpu_memory_utilization"]),
                 enforce_eager=record["enforce_eager"] == "true",
+                prefix_caching=record["prefix_caching"] == "true",
                 regime=record["regime"],
                 note=record["note"],
                 published={},
@@ -555,6 +557,7 @@ def _offline_setup(run: ValidationRun, **overrides: Any) -> Any:
         "gpu_memory_utilization": run.gpu_memory_utilization,
         "gpu": run.gpu,
         "enforce_eager": run.enforce_eager,
+        "prefix_caching": run.prefix_caching,
     }
     return build_engine_setup(run.architecture, **{**settings, **overrides})
 
@@ -606,7 +609,10 @@ def _predict_serve(run: ValidationRun, seed: int) -> dict[str, float]:
         mode=MODES["single"],
         workload=workload,
         serving=Serving(
-            run.max_model_len, run.gpu_memory_utilization, enforce_eager=run.enforce_eager
+            run.max_model_len,
+            run.gpu_memory_utilization,
+            enforce_eager=run.enforce_eager,
+            prefix_caching=run.prefix_caching,
         ),
         engine={"gpu": run.gpu},
     )

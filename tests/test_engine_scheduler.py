@@ -142,6 +142,7 @@ def test_a_preempted_request_is_readmitted_and_finishes_without_prefix_caching(p
         for request in s.complete(step)[0]:
             emitted[request.request_id] += 1
     assert (a.num_preemptions, b.num_preemptions) == (0, 1)
+    assert not s.pool.retained  # without prefix caching nothing of the victim stays
     assert emitted == {0: 10, 1: 10}
     assert b.num_generated == b.max_tokens and recomputed[0] > b.prompt_tokens
     assert s.pool.free_blocks == s.pool.num_blocks
@@ -250,6 +251,47 @@ def test_a_preempted_request_is_readmitted_past_the_cached_prefix_and_finishes()
     # Recomputed after preemption: prompt + generated tokens beyond the 20 cached blocks.
     assert readmitted_new and all(new < victim.prompt_tokens for new in readmitted_new)
     assert conserved(s)
+
+
+def test_a_preempted_request_hits_the_blocks_it_left_cached_when_readmitted():
+    """With prefix caching, V1 frees a victim's blocks with their hashes: allocations take the
+    other free blocks first and then the victim's from its tail; what is left of them is a hit
+    when the victim is admitted again. A failed admission attempt takes nothing."""
+    s = cached(blocks=4, budget=64)
+    a, b = Request(0, 32, 10), Request(1, 32, 10)
+    s.add(a)
+    s.add(b)
+    s.complete(s.schedule())  # both prefilled: 2 + 2 blocks
+    step = s.schedule()  # a's decode needs a third block: b is preempted, 2 blocks computed
+    assert step.preempted == [b]
+    # The pool was full, so a's new block is one of b's 2, taken from its tail; 1 stays cached.
+    assert s.pool.retained == {1: 1} and s.pool.retained_blocks == 1
+    s.complete(step)
+    step = s.schedule()  # b would need 3 blocks (its 33 tokens), 1 is free: not admitted
+    assert step.requests == [a] and b.num_computed == 0 and s.pool.retained == {1: 1}
+    s.complete(step)
+    readmitted: list[int] = []
+    while s.has_work():
+        step = s.schedule()
+        readmitted += [new for r, new in zip(step.requests, step.new_tokens, strict=True) if r is b]
+        s.complete(step)
+    assert readmitted[0] == 33 - 16  # its first block was a hit: prompt + 1 generated - 16
+    assert b.num_generated == b.max_tokens and not s.pool.retained
+    assert s.pool.free_blocks == s.pool.num_blocks
+
+
+def test_retained_blocks_go_oldest_preemption_first_each_from_its_tail():
+    pool = BlockPool(10)
+    assert pool.allocate(10)
+    pool.free(6)
+    pool.retain(1, 3)
+    pool.retain(2, 3)
+    assert pool.allocate(2)  # the 6 free blocks are all retained: 2 of the oldest go
+    assert (pool.retained, pool.retained_blocks) == ({1: 1, 2: 3}, 4)
+    assert pool.allocate(2)
+    assert (pool.retained, pool.retained_blocks) == ({2: 2}, 2)
+    pool.take_retained(2)
+    assert (pool.retained, pool.retained_blocks, pool.free_blocks) == ({}, 0, 2)
 
 
 def test_an_unused_cached_prefix_is_evicted_when_blocks_run_out():

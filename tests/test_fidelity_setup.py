@@ -228,6 +228,18 @@ def test_only_the_inconsistent_source_rows_are_left_out() -> None:
     ]
 
 
+def test_prefix_caching_is_as_each_source_ran_vllm() -> None:
+    """The V1 default (on) where the command names no flag, off where the spot check's command
+    says ``--no-enable-prefix-caching``, off in V0 0.6 (its default)."""
+    caching = {(run.source, run.prefix_caching) for run in RUNS}
+    assert caching == {
+        ("gpustack-lab", True),
+        ("kvcached-h100", True),
+        ("vllm-spotcheck", False),
+        ("qwen25-speed", False),
+    }
+
+
 def test_v0_chunked_budget_follows_the_vllm_version() -> None:
     by_row = {run.row: run for run in RUNS}
     assert fidelity._v0_chunked_budget(by_row["7B BF16 tp1 in63488 [setting-64k]"]) == 512

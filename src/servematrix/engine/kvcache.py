@@ -226,6 +226,14 @@ class BlockPool:
     are evicted when an allocation would otherwise fail, as V1 evicts free cached blocks.
     Prompts without a chain (random token ids) never hit, as in vLLM.
 
+    A request preempted with prefix caching on keeps its computed full blocks as free but
+    cached (``retain``): V1 frees them into its free queue with their hashes, so when the
+    request is admitted again they are hits unless allocations took them meanwhile. The pool
+    hands out the other free blocks first and then the retained ones, oldest preemption first
+    and each from its tail, as V1 frees a request's blocks tail first (`take_retained`). A
+    preempted request keeps beyond its shared prefix only these own blocks; retained blocks are
+    taken before cached prefix segments are evicted, where V1 takes the least recently freed.
+
     ``min_free_blocks`` is the fewest free blocks there have been, so ``peak_used_blocks``
     is the most in use at once; it is updated where blocks are taken, one comparison per
     allocation, which keeps the simulator's hot path as fast as without it.
@@ -239,6 +247,8 @@ class BlockPool:
         "min_free_blocks",
         "num_blocks",
         "prefix_users",
+        "retained",
+        "retained_blocks",
         "watermark_blocks",
     )
 
@@ -258,6 +268,8 @@ class BlockPool:
         self.watermark_blocks = int(watermark * num_blocks)
         self.cached_blocks: dict[int, int] = {}  # segment key -> blocks the cache holds
         self.prefix_users: dict[int, int] = {}  # segment key -> requests using its blocks
+        self.retained: dict[int, int] = {}  # preempted request id -> its free cached blocks
+        self.retained_blocks = 0  # sum of ``retained``, all of them inside ``free_blocks``
         self.cpu = CpuKvTier(offload) if offload else None
 
     def blocks_for(self, tokens: int) -> int:
@@ -275,10 +287,35 @@ class BlockPool:
         self.free_blocks -= blocks
         if self.free_blocks < self.min_free_blocks:
             self.min_free_blocks = self.free_blocks
+        if self.free_blocks < self.retained_blocks:
+            self.trim_retained()
         return True
 
     def free(self, blocks: int) -> None:
         self.free_blocks += blocks
+
+    def retain(self, request_id: int, blocks: int) -> None:
+        """A preempted request's ``blocks`` computed full blocks, already freed, stay cached."""
+        self.retained[request_id] = blocks
+        self.retained_blocks += blocks
+
+    def take_retained(self, request_id: int) -> None:
+        """The request is admitted again (holding what it hit) or gone: drop its record."""
+        self.retained_blocks -= self.retained.pop(request_id)
+
+    def trim_retained(self) -> None:
+        """Allocations have taken free blocks the retained ones counted on: shorten the
+        records, oldest first, each from its tail, until they fit in the free blocks."""
+        excess = self.retained_blocks - self.free_blocks
+        self.retained_blocks -= excess
+        retained = self.retained
+        for request_id in list(retained):
+            blocks = retained[request_id]
+            if blocks > excess:
+                retained[request_id] = blocks - excess
+                return
+            del retained[request_id]
+            excess -= blocks
 
     @property
     def used_blocks(self) -> int:
@@ -393,6 +430,8 @@ class BlockPool:
             return False
         self.free_blocks += sum(self.cached_blocks.values())
         self.cached_blocks.clear()
+        self.retained.clear()
+        self.retained_blocks = 0
         if self.cpu is not None:
             self.cpu.clear()
         return True

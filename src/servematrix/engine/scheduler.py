@@ -136,7 +136,8 @@ class Request:
     shares nothing (random token ids). With prefix caching, ``shared_blocks`` of the request's
     ``num_blocks`` belong to the cache, not to it; ``load_ms`` is the time to load the part of
     its prefix that came back from the CPU KV tier (``kvcache.CpuKvTier``), paid by the step
-    that runs its prefill."""
+    that runs its prefill. A request preempted with prefix caching on left its own computed
+    blocks, from block ``retained_from_block`` on, cached in the pool (`BlockPool.retain`)."""
 
     request_id: int
     prompt_tokens: int
@@ -151,6 +152,7 @@ class Request:
     prefix_segment_blocks: int = 0
     shared_blocks: int = 0
     load_ms: float = 0.0
+    retained_from_block: int = 0
 
     @property
     def segment_blocks(self) -> int:
@@ -209,6 +211,7 @@ class Scheduler:
         elif request in self.running:
             self.running.remove(request)
         self._release(request)
+        self._take_retained(request)
 
     def schedule(self) -> ScheduledStep:
         config = self.config
@@ -343,6 +346,28 @@ class Scheduler:
         if counted:
             self.prefix_hits_tokens += local * pool.block_size
 
+    def _use_retained(self, request: Request) -> None:
+        """At an admission attempt of a preempted request: count the own blocks it left cached
+        (`BlockPool.retain`) as computed when its prefix hit reaches where they start (V1
+        recomputes at least the last token). They are still free blocks: the admission
+        allocates them with the rest and then drops the record (`_take_retained`); a failed
+        attempt undoes the count (`_undo_retained`)."""
+        pool = self.pool
+        if request.num_blocks != request.retained_from_block:
+            pool.take_retained(request.request_id)  # its prefix is not back: unreachable
+            return
+        last = (request.prompt_tokens + request.num_generated - 1) // pool.block_size
+        own = min(pool.retained[request.request_id], last - request.num_blocks)
+        request.num_computed = (request.num_blocks + max(own, 0)) * pool.block_size
+
+    def _take_retained(self, request: Request) -> None:
+        if request.request_id in self.pool.retained:
+            self.pool.take_retained(request.request_id)
+
+    def _undo_retained(self, request: Request) -> None:
+        if request.request_id in self.pool.retained:
+            request.num_computed = request.num_blocks * self.pool.block_size
+
     def _cache_computed_prefix(self, request: Request) -> None:
         """Hand the request's newly computed full prefix blocks to the cache where they extend
         what it holds (`BlockPool.cache_prefix`)."""
@@ -366,7 +391,12 @@ class Scheduler:
 
     def _preempt_last(self, step: ScheduledStep) -> Request:
         victim = self.running.pop()
+        shared = victim.shared_blocks
+        own = victim.num_computed // self.pool.block_size - shared
         self._release(victim)
+        if self._prefix_caching and own > 0:
+            victim.retained_from_block = shared
+            self.pool.retain(victim.request_id, own)
         victim.num_computed = 0
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -404,13 +434,18 @@ class Scheduler:
         seats = config.max_num_seqs - len(self.running)
         while waiting and seats > 0:
             request = waiting[0]
-            if self._prefix_caching and not request.num_blocks:
-                self._use_cached_prefix(request)
+            if self._prefix_caching:
+                if not request.num_blocks:
+                    self._use_cached_prefix(request)
+                if request.request_id in pool.retained:
+                    self._use_retained(request)
             num_tokens = request.prompt_tokens + request.num_generated
             need = num_tokens - request.num_computed
             blocks = pool.blocks_for(num_tokens) - request.num_blocks
             if need > budget or not pool.can_admit(blocks):
+                self._undo_retained(request)
                 break
+            self._take_retained(request)
             self._admit(step, need, blocks)
             budget -= need
             seats -= 1
@@ -436,23 +471,33 @@ class Scheduler:
         running, requests, new_tokens = self.running, step.requests, step.new_tokens
         while waiting and seats > 0 and budget > 0:
             request = waiting[0]
-            if caching and not request.num_blocks:
-                self._use_cached_prefix(request)
+            if caching:
+                if not request.num_blocks:
+                    self._use_cached_prefix(request)
+                if request.request_id in pool.retained:
+                    self._use_retained(request)
             need = request.prompt_tokens + request.num_generated - request.num_computed
             if need > budget:
                 if not chunked:
+                    self._undo_retained(request)
                     break
                 need = budget
             blocks = -(-(request.num_computed + need) // block_size) - request.num_blocks
             free = pool.free_blocks
             if free >= blocks + pool.watermark_blocks:
+                if pool.retained:
+                    self._take_retained(request)
                 free -= blocks
                 pool.free_blocks = free
                 if free < pool.min_free_blocks:
                     pool.min_free_blocks = free
+                if free < pool.retained_blocks:
+                    pool.trim_retained()
             elif pool.can_admit(blocks):
+                self._take_retained(request)
                 pool.allocate(blocks)
             else:
+                self._undo_retained(request)
                 break
             waiting.popleft()
             request.num_blocks += blocks
