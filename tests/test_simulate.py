@@ -151,7 +151,7 @@ def test_max_num_seqs_caps_the_running_batch():
 
 
 def test_cpu_kv_offloading_serves_system_prompts_the_gpu_cache_cannot_hold():
-    """200 system prompts of 2,048 tokens (23 GB of KV) against a 7B model's 8,945-block GPU
+    """200 system prompts of 2,048 tokens (23 GB of KV) against a 7B model's 9,530-block GPU
     cache: with 16 GiB of CPU offloading most hits come back over PCIe instead of being
     recomputed, so TTFT falls; 4 GiB, a fraction of the working set, thrashes and does not help."""
     model = ModelSpec("Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b", "bf16", 1, ((0,),))
