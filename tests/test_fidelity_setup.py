@@ -198,7 +198,7 @@ def test_validation_set_size_and_coverage() -> None:
         "qwen25-speed": 147,
         "kvcached-h100": 6,
         "gpustack-lab": 170,
-        "vllm-spotcheck": 80,
+        "vllm-spotcheck": 104,
     }
     gpus = {"A100-SXM4-80GB", "H100-SXM5-80GB", "H200-SXM-141GB"}
     loaded = [run for run in RUNS if run.regime != "low"]
@@ -213,11 +213,24 @@ def test_validation_values_are_positive_and_setups_consistent() -> None:
         assert run.regime in fidelity.REGIMES
         assert run.recipe in RECIPES
         assert all(value > 0 for value in run.published.values())
-        assert set(run.published) <= {*fidelity.METRICS, *fidelity.THROUGHPUT_METRICS}
+        assert set(run.published) <= {*fidelity.SERVE_METRICS, *fidelity.THROUGHPUT_METRICS}
         load_architecture(run.architecture)
         gpu_spec(run.gpu)
         if run.interface == "offline-llm":
             assert (run.num_prompts, run.request_rate, run.regime) == (1, None, "low")
+
+
+def test_spot_check_e2e_values_agree_with_its_ttft_and_tpot() -> None:
+    """The E2E values were derived from the spot check's per-request data (TTFT + the ITLs, as
+    ``benchmark_serving.py`` 0.8.2 times ``latency``). Every request generated its full output
+    (``--ignore-eos``), so the mean E2E is the mean TTFT + (output - 1) x the mean TPOT."""
+    with_e2e = [run for run in RUNS if "mean_e2el_ms" in run.published]
+    assert {run.source for run in with_e2e} == {"vllm-spotcheck"} and len(with_e2e) == 8
+    for run in with_e2e:
+        values = run.published
+        expected = values["mean_ttft_ms"] + (run.output_len - 1) * values["mean_tpot_ms"]
+        assert values["mean_e2el_ms"] == pytest.approx(expected, rel=1e-4)
+        assert values["median_e2el_ms"] < values["p99_e2el_ms"]
 
 
 def test_only_the_inconsistent_source_rows_are_left_out() -> None:
@@ -257,3 +270,31 @@ def test_finite_rate_rows_are_simulated_at_the_sends_their_clients_drew() -> Non
     assert burst and all(fidelity.published_sends(r) is None for r in burst)
     with pytest.raises(ValueError, match=r"no reconstruction of vLLM 0\.11\.0's client"):
         fidelity.published_sends(replace(finite[0], vllm="0.11.0"))
+
+
+def _point(metric: str, ratio: float, regime: str = "saturated") -> object:
+    return fidelity.Point("validation", "s", regime, "H100-SXM5-80GB", "r", metric, 100.0,
+                          (100.0 * ratio,))  # fmt: skip
+
+
+def test_latency_table_sits_next_to_blis_figures() -> None:
+    points = [
+        _point("mean_ttft_ms", 0.5, "moderate"),
+        _point("mean_ttft_ms", 1.1),
+        _point("p99_ttft_ms", 1.0),
+        _point("mean_e2el_ms", 0.9),
+    ]
+    lines = {line.split()[0]: line.split() for line in fidelity.format_vs_blis(points)[2:]}
+    # metric, values, in band, MAPE, median, moderate MAPE, BLIS's 36 runs, BLIS's issue rows
+    assert lines["mean_ttft_ms"] == ["mean_ttft_ms", "2", "50.0%", "30.0%", "30.0%", "50.0%",
+                                     "17.6%", "15.1%"]  # fmt: skip
+    assert lines["p99_ttft_ms"][-2:] == ["-", "47.8%"]
+    assert lines["mean_e2el_ms"][-3:] == ["-", "6.7%", "7.5%"]
+    assert "tpot" not in " ".join(lines)
+
+
+def test_counts_without_e2e_leave_out_only_e2e() -> None:
+    points = [_point("mean_e2el_ms", 0.5), _point("mean_tpot_ms", 1.0)]
+    lines = fidelity.format_without_e2e(points)
+    assert lines[0].endswith("(1 values left out)")
+    assert lines[1].split()[1:3] == ["1/1", "100.0"]
