@@ -151,7 +151,10 @@ def main() -> None:
 def _stop_group(server: subprocess.Popen, timeout_s: float = 30.0) -> None:
     """SIGTERM the server's whole process group (API server, engine core, worker), wait until
     none of it is left, SIGKILL what outlives ``timeout_s``."""
-    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+    except ProcessLookupError:  # the server had already exited
+        return
     deadline = time.monotonic() + timeout_s
     while True:
         server.poll()

