@@ -764,6 +764,16 @@ def _share_text(points: Sequence[Point], seeds: int) -> str:
     return text
 
 
+def _regime_shares(points: Sequence[Point], seeds: int) -> list[str]:
+    """The in-band share overall and per regime."""
+    lines = [f"{'all':<52} {_share_text(points, seeds)}"]
+    for regime in REGIMES:
+        subset = [p for p in points if p.regime == regime]
+        if subset:
+            lines.append(f"{'  regime ' + regime:<52} {_share_text(subset, seeds)}")
+    return lines
+
+
 def format_breakdown(points: Sequence[Point], seeds: int, title: str) -> list[str]:
     """In-band share per source, regime and metric, and overall (seed 0; seed range with
     ``--seeds``)."""
@@ -771,11 +781,7 @@ def format_breakdown(points: Sequence[Point], seeds: int, title: str) -> list[st
     lines = [f"== {title}: ratios predicted/published within {low}-{high} (seed 0)"]
     if not points:
         return [*lines, "no simulated values"]
-    lines.append(f"{'all':<52} {_share_text(points, seeds)}")
-    for regime in REGIMES:
-        subset = [p for p in points if p.regime == regime]
-        if subset:
-            lines.append(f"{'  regime ' + regime:<52} {_share_text(subset, seeds)}")
+    lines += _regime_shares(points, seeds)
     groups: dict[tuple[str, str, str], list[Point]] = {}
     for point in points:
         groups.setdefault((point.source, point.regime, point.metric), []).append(point)
@@ -837,13 +843,8 @@ def format_without_e2e(points: Sequence[Point]) -> list[str]:
     """The in-band counts without the E2E values: the spot check's fixed output lengths make its
     mean E2E TTFT + (output − 1) × TPOT, so those values mostly restate two counted already."""
     rest = [p for p in points if "_e2el_" not in p.metric]
-    lines = [f"== VALIDATION without E2E latency ({len(points) - len(rest)} values left out)"]
-    lines.append(f"{'all':<52} {_share_text(rest, 1)}")
-    for regime in REGIMES:
-        subset = [p for p in rest if p.regime == regime]
-        if subset:
-            lines.append(f"{'  regime ' + regime:<52} {_share_text(subset, 1)}")
-    return lines
+    title = f"== VALIDATION without E2E latency ({len(points) - len(rest)} values left out)"
+    return [title, *_regime_shares(rest, 1)]
 
 
 def _percent(value: float | None, width: int) -> str:

@@ -68,19 +68,30 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _one(session: aiohttp.ClientSession, base: str, model: str, kind: str, text: str) -> None:
+def request(model: str, kind: str, text: str, max_tokens: int = 4) -> tuple[str, dict]:
+    """The path and body of one streamed request of ``max_tokens`` tokens (``kind``:
+    ``completions`` or ``chat``)."""
     if kind == "completions":
         url, body = "/v1/completions", {"model": model, "prompt": text}
     else:
         url, body = (
             "/v1/chat/completions",
-            {
-                "model": model,
-                "messages": [{"role": "user", "content": text}],
-            },
+            {"model": model, "messages": [{"role": "user", "content": text}]},
         )
-    body |= {"max_tokens": 4, "stream": True, "ignore_eos": True}
-    body["stream_options"] = {"include_usage": True}
+    body |= {"max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    return url, body | {"stream_options": {"include_usage": True}}
+
+
+def prompts(rng: random.Random, n: int, words: int = 40) -> list[str]:
+    """``n`` prompts of ``words`` generated words (about 2.5 tokens each)."""
+    return [
+        " ".join(rng.choice(WORDS) + str(rng.randint(0, 99)) for _ in range(words))
+        for _ in range(n)
+    ]
+
+
+async def _one(session: aiohttp.ClientSession, base: str, model: str, kind: str, text: str) -> None:
+    url, body = request(model, kind, text)
     async with session.post(base + url, json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"{url}: HTTP {response.status}: {await response.text()}")
@@ -137,10 +148,7 @@ def main() -> None:
         print("kind          wall s  API-server CPU s  ms/request")
         for _ in range(args.repeat):
             for kind in ("completions", "chat"):
-                texts = [
-                    " ".join(rng.choice(WORDS) + str(rng.randint(0, 99)) for _ in range(40))
-                    for _ in range(args.requests)
-                ]
+                texts = prompts(rng, args.requests)
                 wall, cpu = asyncio.run(_burst(base, model, server.pid, kind, texts))
                 per_request = cpu / args.requests * 1e3
                 print(f"{kind:12s}  {wall:6.2f}  {cpu:16.2f}  {per_request:10.2f}", flush=True)

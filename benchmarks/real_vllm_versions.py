@@ -39,28 +39,32 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 from packaging.requirements import Requirement
-from real_vllm_chat import CHAT_TEMPLATE, WORDS, _cpu_s, _free_port, _stop_group, _wait_healthy
+from real_vllm import delta, scrape
+from real_vllm_chat import (
+    CHAT_TEMPLATE,
+    _cpu_s,
+    _free_port,
+    _stop_group,
+    _wait_healthy,
+    prompts,
+    request,
+)
 
 from servematrix.files import cache_root
 from servematrix.vllmcpu import env
 
 TORCH_FAMILY = ("torch", "torchaudio", "torchvision", "torchcodec")
 WITHOUT_TRITON = ("xgrammar",)
-HISTOGRAMS = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds")
 
 
 def _pip(python: Path, *args: str, log: Path) -> None:
-    with open(log, "ab") as out:
-        code = subprocess.run([str(python), "-m", "pip", *args], stdout=out, stderr=out).returncode
-    if code != 0:
-        raise SystemExit(f"pip {' '.join(args[:3])}... failed with exit code {code} (log {log})")
+    env.run_logged([str(python), "-m", "pip", *args], log, f"pip {args[0]} {args[-1]}")
 
 
 def _requirements(wheel: Path) -> list[Requirement]:
@@ -161,18 +165,6 @@ def _add_vllm_dist_info(python: Path, version: str) -> None:
     (info / "RECORD").write_text("")
 
 
-def _body(model: str, kind: str, text: str, max_tokens: int) -> tuple[str, dict]:
-    if kind == "completions":
-        url, body = "/v1/completions", {"model": model, "prompt": text}
-    else:
-        url, body = (
-            "/v1/chat/completions",
-            {"model": model, "messages": [{"role": "user", "content": text}]},
-        )
-    body |= {"max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-    return url, body | {"stream_options": {"include_usage": True}}
-
-
 async def _ttft_s(session: aiohttp.ClientSession, base: str, request: tuple[str, dict]) -> float:
     """Time to the first chunk with a choice, as ``vllm bench serve`` takes it."""
     url, body = request
@@ -188,24 +180,9 @@ async def _ttft_s(session: aiohttp.ClientSession, base: str, request: tuple[str,
     return ttft
 
 
-def _engine_means_ms(base: str) -> dict[str, tuple[float, float]]:
-    """Sum and count of vLLM's queue and prefill histograms (seconds)."""
-    totals = {name: [0.0, 0.0] for name in HISTOGRAMS}
-    with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    for line in text.splitlines():
-        for name in HISTOGRAMS:
-            for index, suffix in enumerate(("_sum", "_count")):
-                if line.startswith(name + suffix):
-                    totals[name][index] += float(line.rsplit(" ", 1)[1])
-    return {name: (s, c) for name, (s, c) in totals.items()}
-
-
 def _prompts(rng: random.Random, n: int) -> list[str]:
     """About 230 tokens each, GPUStack's ShareGPT mean prompt."""
-    return [
-        " ".join(rng.choice(WORDS) + str(rng.randint(0, 99)) for _ in range(90)) for _ in range(n)
-    ]
+    return prompts(rng, n, words=90)
 
 
 async def _paced(
@@ -214,25 +191,26 @@ async def _paced(
     """Mean client TTFT and mean engine queue + prefill (ms) at concurrency ``cap``."""
     semaphore = asyncio.Semaphore(cap)
     async with aiohttp.ClientSession() as session:
-        await _ttft_s(session, base, _body(model, kind, texts[0], 32))
-        before = _engine_means_ms(base)
+        await _ttft_s(session, base, request(model, kind, texts[0], 32))
+        before = scrape(base)
 
         async def one(text: str) -> float:
             async with semaphore:
-                return await _ttft_s(session, base, _body(model, kind, text, 32))
+                return await _ttft_s(session, base, request(model, kind, text, 32))
 
         ttfts = await asyncio.gather(*(one(text) for text in texts))
-    after = _engine_means_ms(base)
-    engine_s = sum((after[n][0] - before[n][0]) / (after[n][1] - before[n][1]) for n in HISTOGRAMS)
+    server = delta(scrape(base), before)
+    engine_s = server["queue_sum"] / server["queue_count"]
+    engine_s += server["prefill_sum"] / server["prefill_count"]
     return 1e3 * statistics.fmean(ttfts), 1e3 * engine_s
 
 
 async def _burst_cpu_ms(base: str, model: str, kind: str, texts: list[str], pid: int) -> float:
     """API-server CPU per request over a burst of 4-token requests sent at once."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        await asyncio.gather(*(_ttft_s(session, base, _body(model, kind, t, 4)) for t in texts[:4]))
+        await asyncio.gather(*(_ttft_s(session, base, request(model, kind, t)) for t in texts[:4]))
         cpu = _cpu_s(pid)
-        await asyncio.gather(*(_ttft_s(session, base, _body(model, kind, t, 4)) for t in texts))
+        await asyncio.gather(*(_ttft_s(session, base, request(model, kind, t)) for t in texts))
         return (_cpu_s(pid) - cpu) / len(texts) * 1e3
 
 
@@ -284,7 +262,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100, help="requests per paced run")
     parser.add_argument("--repeat", type=int, default=3, help="paced runs; the median is shown")
     args = parser.parse_args()
-    pythons = {version: ensure_version(version) for version in args.versions}
+    try:
+        pythons = {version: ensure_version(version) for version in args.versions}
+    except env.PrepareError as error:
+        raise SystemExit(str(error)) from None
     model = str(env.ensure_model())
     header = (
         f"{'vLLM':<8} {'endpoint':<12} {'API CPU':>8}   "

