@@ -6,12 +6,10 @@ Fast checks only: nothing here simulates, times or judges accuracy (that is what
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 
 import jsonschema
 import pytest
@@ -24,28 +22,22 @@ from servematrix.engine.hardware import gpu_spec
 from servematrix.matrix import RECIPES, Cell
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "fidelity.py"
+BENCHMARKS = ROOT / "benchmarks"
 
-
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("servematrix_bench_fidelity", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-fidelity = _load_script()
+sys.path.insert(0, str(BENCHMARKS))  # the scripts import their sibling modules by name
+try:
+    import fidelity
+    import fidelity_points
+    import fidelity_validation
+finally:
+    sys.path.remove(str(BENCHMARKS))
 ROWS = fidelity.load_published()
 
 
 def test_header_names_both_sources_with_commits() -> None:
     header = [
         line
-        for line in SCRIPT.parent.joinpath("data", "mooncake_published.csv")
-        .read_text()
-        .splitlines()
+        for line in BENCHMARKS.joinpath("data", "mooncake_published.csv").read_text().splitlines()
         if line.startswith("#")
     ]
     text = "\n".join(header)
@@ -70,7 +62,7 @@ def test_published_row_is_self_consistent(row) -> None:
     assert row.completed == 200
     assert row.total_output_tokens == 1200
     assert all(value > 0 for value in row.metrics_ms.values())
-    for family in fidelity.FAMILIES:
+    for family in fidelity_points.FAMILIES:
         assert row.metrics_ms[f"p99_{family}_ms"] >= row.metrics_ms[f"median_{family}_ms"]
     # vLLM prints 2 decimals: the rounded duration allows ~0.1 % on the throughputs.
     total = (row.total_input_tokens + row.total_output_tokens) / row.duration_s
@@ -134,9 +126,10 @@ def test_approximations_are_flagged() -> None:
 
 
 def test_band_counting() -> None:
-    assert fidelity.in_band(1.0) and fidelity.in_band(0.77) and fidelity.in_band(1.3)
-    assert not fidelity.in_band(0.76) and not fidelity.in_band(1.31)
-    assert not fidelity.in_band(None)
+    in_band = fidelity_points.in_band
+    assert in_band(1.0) and in_band(0.77) and in_band(1.3)
+    assert not in_band(0.76) and not in_band(1.31)
+    assert not in_band(None)
 
 
 def test_reseeding_changes_only_the_seed() -> None:
@@ -172,11 +165,11 @@ def test_spread_marks_misses_inside_the_seed_range() -> None:
 
 # --- Validation set ----------------------------------------------------------------------------
 
-RUNS = fidelity.load_validation()
+RUNS = fidelity_validation.load_validation()
 
 
 def test_validation_header_cites_every_source_with_a_commit() -> None:
-    text = fidelity.VALIDATION_CSV.read_text()
+    text = fidelity_validation.VALIDATION_CSV.read_text()
     header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
     assert (
         "speed_benchmark.rst\n#                 @ a912d239c2d0e2e5d10bb8d02e6f5685edb43e68"
@@ -205,15 +198,18 @@ def test_validation_set_size_and_coverage() -> None:
     assert {run.gpu for run in loaded} == gpus
     assert sum(len(run.published) for run in loaded) >= 180
     assert {run.gpu for run in RUNS} == gpus
-    assert {run.regime for run in RUNS} == set(fidelity.REGIMES)
+    assert {run.regime for run in RUNS} == set(fidelity_points.REGIMES)
 
 
 def test_validation_values_are_positive_and_setups_consistent() -> None:
     for run in RUNS:
-        assert run.regime in fidelity.REGIMES
+        assert run.regime in fidelity_points.REGIMES
         assert run.recipe in RECIPES
         assert all(value > 0 for value in run.published.values())
-        assert set(run.published) <= {*fidelity.SERVE_METRICS, *fidelity.THROUGHPUT_METRICS}
+        assert set(run.published) <= {
+            *fidelity_points.SERVE_METRICS,
+            *fidelity_validation.THROUGHPUT_METRICS,
+        }
         load_architecture(run.architecture)
         gpu_spec(run.gpu)
         if run.interface == "offline-llm":
@@ -234,7 +230,7 @@ def test_spot_check_e2e_values_agree_with_its_ttft_and_tpot() -> None:
 
 
 def test_only_the_inconsistent_source_rows_are_left_out() -> None:
-    skipped = [run for run in RUNS if fidelity.validation_unsupported(run)]
+    skipped = [run for run in RUNS if fidelity_validation.validation_unsupported(run)]
     assert [(run.row, run.input_len) for run in skipped] == [
         ("32B BF16 tp1 in6144 [setting1]", 6144),
         ("32B BF16 tp1 in14336 [setting1]", 14336),
@@ -255,25 +251,27 @@ def test_prefix_caching_is_as_each_source_ran_vllm() -> None:
 
 def test_v0_chunked_budget_follows_the_vllm_version() -> None:
     by_row = {run.row: run for run in RUNS}
-    assert fidelity._v0_chunked_budget(by_row["7B BF16 tp1 in63488 [setting-64k]"]) == 512
-    assert fidelity._v0_chunked_budget(by_row["7B BF16 tp1 in6144"]) is None
+    assert (
+        fidelity_validation._v0_chunked_budget(by_row["7B BF16 tp1 in63488 [setting-64k]"]) == 512
+    )
+    assert fidelity_validation._v0_chunked_budget(by_row["7B BF16 tp1 in6144"]) is None
 
 
 def test_finite_rate_rows_are_simulated_at_the_sends_their_clients_drew() -> None:
     finite = [r for r in RUNS if r.request_rate is not None and r.request_rate != float("inf")]
     assert {r.source for r in finite} == {"kvcached-h100", "vllm-spotcheck"}
     for run in finite:
-        schedules = fidelity.published_sends(run)
+        schedules = fidelity_validation.published_sends(run)
         assert len(schedules) == {"kvcached-h100": 3, "vllm-spotcheck": 1}[run.source]
         assert all(len(sends) == run.num_prompts for sends in schedules)
     burst = [r for r in RUNS if r.request_rate == float("inf") or r.interface == "offline-llm"]
-    assert burst and all(fidelity.published_sends(r) is None for r in burst)
+    assert burst and all(fidelity_validation.published_sends(r) is None for r in burst)
     with pytest.raises(ValueError, match=r"no reconstruction of vLLM 0\.11\.0's client"):
-        fidelity.published_sends(replace(finite[0], vllm="0.11.0"))
+        fidelity_validation.published_sends(replace(finite[0], vllm="0.11.0"))
 
 
 def _point(metric: str, ratio: float, regime: str = "saturated") -> object:
-    return fidelity.Point("validation", "s", regime, "H100-SXM5-80GB", "r", metric, 100.0,
+    return fidelity_points.Point("validation", "s", regime, "H100-SXM5-80GB", "r", metric, 100.0,
                           (100.0 * ratio,))  # fmt: skip
 
 
@@ -284,7 +282,7 @@ def test_latency_table_sits_next_to_blis_figures() -> None:
         _point("p99_ttft_ms", 1.0),
         _point("mean_e2el_ms", 0.9),
     ]
-    lines = {line.split()[0]: line.split() for line in fidelity.format_vs_blis(points)[2:]}
+    lines = {line.split()[0]: line.split() for line in fidelity_points.format_vs_blis(points)[2:]}
     # metric, values, in band, MAPE, median, moderate MAPE, BLIS's 36 runs, BLIS's issue rows
     assert lines["mean_ttft_ms"] == ["mean_ttft_ms", "2", "50.0%", "30.0%", "30.0%", "50.0%",
                                      "17.6%", "15.1%"]  # fmt: skip
@@ -295,6 +293,6 @@ def test_latency_table_sits_next_to_blis_figures() -> None:
 
 def test_counts_without_e2e_leave_out_only_e2e() -> None:
     points = [_point("mean_e2el_ms", 0.5), _point("mean_tpot_ms", 1.0)]
-    lines = fidelity.format_without_e2e(points)
+    lines = fidelity_points.format_without_e2e(points)
     assert lines[0].endswith("(1 values left out)")
     assert lines[1].split()[1:3] == ["1/1", "100.0"]

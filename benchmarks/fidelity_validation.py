@@ -1,0 +1,329 @@
+"""The fidelity benchmark's validation set: published vLLM results no constant was fitted on.
+
+`load_validation` reads ``benchmarks/data/validation_published.csv`` (one line per published
+value; lines with the same setup are one run), `predict_validation` simulates a run the way it was
+measured (``LLM.generate`` of one prompt, or an OpenAI server and ``vllm bench serve`` at the send
+times its client drew, `published_sends`), and `validation_points` scores every value. The
+Qwen2 calibration rows share the file format, and `format_host_fit` shows the v0 host cost fitted
+on them.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fidelity_points import SERVE_METRICS, Point, predict
+
+from servematrix import schedule
+from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
+
+DATA = Path(__file__).resolve().parent / "data"
+VALIDATION_CSV = DATA / "validation_published.csv"
+QWEN2_CALIBRATION_CSV = DATA / "calibration_qwen2_speed.csv"
+"""Calibration rows in the validation file's format: the v0 host step cost is fitted on them."""
+THROUGHPUT_METRICS = ("speed_tokens_per_s", "request_throughput_per_s")
+"""Metrics where higher is better; the ratio is still predicted / published."""
+SETUP_COLUMNS = (
+    "source", "row", "gpu", "model", "architecture", "quantization", "tp", "vllm", "recipe",
+    "interface", "dataset", "input_len", "output_len", "num_prompts", "request_rate",
+    "max_concurrency", "max_model_len", "gpu_memory_utilization", "enforce_eager",
+    "prefix_caching", "regime", "note",
+)  # fmt: skip
+CHUNKED_BUDGET_V062 = 512
+"""vLLM before 0.6.5 chunks prefills in 512-token pieces (2048 only from vLLM PR #10544): the
+``max_num_batched_tokens`` of Mooncake's v0.1 chunked row (vLLM 0.6.2, mooncake-integration
+branch) and of V0 validation runs that chunk (`_v0_chunked_budget`)."""
+
+
+@dataclass(frozen=True)
+class ValidationRun:
+    """One published setup of the validation set and the values published for it."""
+
+    source: str
+    row: str
+    gpu: str
+    model: str
+    architecture: str
+    quantization: str
+    tp: int
+    vllm: str
+    recipe: str
+    interface: str  # "offline-llm" | "serve"
+    dataset: str
+    input_len: int
+    output_len: int
+    num_prompts: int
+    request_rate: float | None
+    max_concurrency: int | None
+    max_model_len: int
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    prefix_caching: bool
+    regime: str
+    note: str
+    published: dict[str, float]
+
+    @property
+    def label(self) -> str:
+        return f"{self.source} {self.row}"
+
+    @property
+    def vllm_version(self) -> tuple[int, ...]:
+        return tuple(int(part) for part in self.vllm.split("."))
+
+
+def load_validation(path: Path = VALIDATION_CSV) -> list[ValidationRun]:
+    """Parse the validation file (``#`` lines are the provenance header); lines with the same
+    setup are one run with several published metrics."""
+    with path.open(newline="") as handle:
+        lines = [line for line in handle if not line.startswith("#")]
+    runs: dict[tuple[str, ...], ValidationRun] = {}
+    for record in csv.DictReader(lines):
+        key = tuple(record[column] for column in SETUP_COLUMNS)
+        if key not in runs:
+            runs[key] = ValidationRun(
+                source=record["source"],
+                row=record["row"],
+                gpu=record["gpu"],
+                model=record["model"],
+                architecture=record["architecture"],
+                quantization=record["quantization"],
+                tp=int(record["tp"]),
+                vllm=record["vllm"],
+                recipe=record["recipe"],
+                interface=record["interface"],
+                dataset=record["dataset"],
+                input_len=int(record["input_len"]),
+                output_len=int(record["output_len"]),
+                num_prompts=int(record["num_prompts"]),
+                request_rate=float(record["request_rate"]) if record["request_rate"] else None,
+                max_concurrency=(
+                    int(record["max_concurrency"]) if record["max_concurrency"] else None
+                ),
+                max_model_len=int(record["max_model_len"]),
+                gpu_memory_utilization=float(record["gpu_memory_utilization"]),
+                enforce_eager=record["enforce_eager"] == "true",
+                prefix_caching=record["prefix_caching"] == "true",
+                regime=record["regime"],
+                note=record["note"],
+                published={},
+            )
+        runs[key].published[record["metric"]] = float(record["value"])
+    return list(runs.values())
+
+
+def validation_unsupported(run: ValidationRun) -> str | None:
+    """Why a published setup cannot be simulated as stated, or None."""
+    if run.input_len + run.output_len > run.max_model_len:
+        return (
+            f"published max_model_len {run.max_model_len} < input {run.input_len} + output "
+            f"{run.output_len}: the stated setup cannot have run (inconsistent source row)"
+        )
+    if run.interface not in ("offline-llm", "serve"):
+        return f"unknown interface {run.interface!r}"
+    return None
+
+
+def _v0_chunked_budget(run: ValidationRun) -> int | None:
+    """vLLM < 0.6.5 chunks prefills in 512-token pieces (PR #10544 raised it to 2048); V0
+    turns chunking on by itself above max_model_len 32768."""
+    if run.recipe == "v0" and run.max_model_len > 32768 and run.vllm_version < (0, 6, 5):
+        return CHUNKED_BUDGET_V062
+    return None
+
+
+def predict_validation(run: ValidationRun, seed: int) -> dict[str, float]:
+    """The simulator's value of every metric the run publishes."""
+    if run.interface == "offline-llm":
+        return _predict_offline(run, seed)
+    return _predict_serve(run, seed)
+
+
+def _offline_setup(run: ValidationRun, **overrides: Any) -> Any:
+    """The engine of a validation run's one instance (``build_engine_setup`` with the run's
+    model, GPU and serving settings; ``overrides`` add or replace keyword arguments)."""
+    from servematrix.engine.setup import build_engine_setup
+
+    settings = {
+        "quantization": run.quantization,
+        "tensor_parallel": run.tp,
+        "recipe": run.recipe,
+        "chunked_prefill": None,
+        "max_model_len": run.max_model_len,
+        "gpu_memory_utilization": run.gpu_memory_utilization,
+        "gpu": run.gpu,
+        "enforce_eager": run.enforce_eager,
+        "prefix_caching": run.prefix_caching,
+    }
+    return build_engine_setup(run.architecture, **{**settings, **overrides})
+
+
+def _predict_offline(run: ValidationRun, seed: int) -> dict[str, float]:
+    """``LLM.generate([prompt])`` timed around the call: one request through one instance, no
+    HTTP server or client in the path."""
+    from servematrix.engine.scheduler import Request
+
+    instance = _offline_setup(run, max_num_batched_tokens=_v0_chunked_budget(run)).instance(seed)
+    instance.add_request(Request(0, run.input_len, run.output_len))
+    elapsed_s = 0.0
+    while instance.has_work():
+        decodes = instance.decode_run(float("inf"))
+        if decodes is not None:
+            elapsed_s += decodes.step_ends_s[-1]
+        else:
+            elapsed_s += instance.step().duration_s
+    return {"speed_tokens_per_s": run.output_len / elapsed_s}
+
+
+def _predict_serve(run: ValidationRun, seed: int) -> dict[str, float]:
+    """An OpenAI server and ``vllm bench serve`` (one warm-up request, then the run), with the
+    client's ``--max-concurrency`` cap. A ``sharegpt`` run is simulated at its published mean
+    prompt and output lengths (the row's note says so): the simulator has no ShareGPT copy."""
+    model = ModelSpec(
+        name=run.model.split("/")[-1],
+        hf_id=run.model,
+        architecture=run.architecture,
+        quantization=run.quantization,
+        tensor_parallel=run.tp,
+        gpus=(tuple(range(run.tp)),),
+    )
+    workload = Workload(
+        qps=run.request_rate if run.request_rate is not None else float("inf"),
+        input_len=run.input_len,
+        output_len=run.output_len,
+        num_prompts=run.num_prompts,
+        seed=seed,
+        dataset="random" if run.dataset == "sharegpt" else run.dataset,
+        burstiness=1.0,
+        warmup_requests=1,
+        max_concurrency=run.max_concurrency,
+    )
+    cell = Cell(
+        backend="simulator",
+        recipe=run.recipe,
+        model=model,
+        mode=MODES["single"],
+        workload=workload,
+        serving=Serving(
+            run.max_model_len,
+            run.gpu_memory_utilization,
+            enforce_eager=run.enforce_eager,
+            prefix_caching=run.prefix_caching,
+        ),
+        engine={"gpu": run.gpu},
+    )
+    schedules = published_sends(run)
+    if schedules is None:
+        runs = [predict(cell)]
+    else:
+        runs = [predict(cell, send_times_s=sends) for sends in schedules]
+    values = {name: statistics.fmean(getattr(m, name) for m in runs) for name in SERVE_METRICS}
+    values["request_throughput_per_s"] = statistics.fmean(m.request_throughput for m in runs)
+    return values
+
+
+PUBLISHED_CLIENT_SEEDS = {"vllm-spotcheck": (0,), "kvcached-h100": (42, 99, 7)}
+"""The client's ``--seed`` of each source's finite-rate runs: the spot check ran
+``benchmark_serving.py`` at its default seed, kvcached's sweep three seeds whose means it
+published (``benchmarks/bench_layout/run_sweep.sh``)."""
+
+QWEN2_TOKENIZER_VOCAB_SIZE = 151643
+"""``vocab_size`` of QwQ-32B's Qwen2 tokenizer (its regular tokens, without the added special
+ones), below which vLLM 0.8's random dataset draws its offsets. With it the reconstructed sends
+of the spot check's 1,000/2,000 H100 run put its last request's end (send + published TTFT +
+ITLs) at 47.68 s against the published duration of 47.71 s."""
+
+
+def published_sends(run: ValidationRun) -> list[Sequence[float]] | None:
+    """The send times each published run of a finite-rate ``serve`` row drew, from its client's
+    code and seed (`servematrix.schedule`): the published input, not a fresh Poisson draw.
+    None when every request goes at t = 0 (rate inf, with or without a concurrency cap).
+    Raises ValueError for a finite-rate row whose client is not reconstructed."""
+    if run.request_rate is None or run.request_rate == float("inf"):
+        return None
+    seeds = PUBLISHED_CLIENT_SEEDS.get(run.source)
+    n, qps = run.num_prompts, run.request_rate
+    if seeds is not None and run.vllm == "0.8.2" and run.dataset == "random":
+        return [
+            schedule.benchmark_serving_08_sends(
+                n, qps, seed, run.input_len, run.output_len, QWEN2_TOKENIZER_VOCAB_SIZE
+            )
+            for seed in seeds
+        ]
+    if seeds is not None and run.vllm == "0.19.0" and run.dataset == "random":
+        return [schedule.bench_serve_019_sends(n, qps, seed) for seed in seeds]
+    raise ValueError(f"{run.label}: no reconstruction of vLLM {run.vllm}'s client schedule")
+
+
+def validation_points(
+    runs: Sequence[ValidationRun], seeds: int, set_name: str = "validation"
+) -> tuple[list[Point], list[tuple[ValidationRun, str]]]:
+    """Simulate every supported run at seeds 0..seeds-1; also the runs left out, with why."""
+    points: list[Point] = []
+    skipped: list[tuple[ValidationRun, str]] = []
+    for run in runs:
+        why = validation_unsupported(run)
+        if why is None:
+            try:
+                predictions = [predict_validation(run, seed) for seed in range(seeds)]
+            except (ValueError, RuntimeError) as error:  # e.g. the model does not fit
+                why = f"{type(error).__name__}: {error}"
+        if why is not None:
+            skipped.append((run, why))
+            continue
+        for metric, published in run.published.items():
+            predicted = tuple(prediction[metric] for prediction in predictions)
+            points.append(
+                Point(
+                    set_name,
+                    run.source,
+                    run.regime,
+                    run.gpu,
+                    run.label,
+                    metric,
+                    published,
+                    predicted,
+                )
+            )
+    return points, skipped
+
+
+def implied_host_step_ms(run: ValidationRun) -> float:
+    """The host cost per step that would make a batch-1 offline row match exactly: published
+    time minus the GPU steps, over the number of steps (v0 has no per-request part)."""
+    from servematrix.engine.host import host_cost
+    from servematrix.engine.scheduler import Request
+
+    instance = _offline_setup(run, jitter_cv=0.0).instance(0)
+    instance.add_request(Request(0, run.input_len, run.output_len))
+    elapsed_ms = 0.0
+    while instance.has_work():
+        elapsed_ms += instance.step().duration_s * 1e3
+    cost = host_cost(run.recipe, run.enforce_eager)
+    gpu_ms = elapsed_ms - instance.steps * (cost.step_ms + cost.per_seq_ms)
+    published_ms = run.output_len / run.published["speed_tokens_per_s"] * 1e3
+    return (published_ms - gpu_ms) / instance.steps
+
+
+HOST_FIT_ROWS = ("0.5B BF16 tp1 in1", "1.5B BF16 tp1 in1", "7B BF16 tp1 in1")
+"""Where the v0 host cost is fitted: bf16 (no quantized-kernel uncertainty), one GPU, the
+shortest input (no attention), so the step is as well known as it gets and the rest is host."""
+
+
+def format_host_fit(runs: Sequence[ValidationRun]) -> list[str]:
+    """The v0 host step cost each fitting row implies, their median, and the constant in use."""
+    from servematrix.engine.host import host_cost
+
+    fits = {run.row: implied_host_step_ms(run) for run in runs if run.row in HOST_FIT_ROWS}
+    lines = ["== v0 host cost per step implied by the qwen2-speed rows it is fitted on (ms)"]
+    lines += [f"  {row:<20} {value:.2f}" for row, value in fits.items()]
+    lines.append(
+        f"  median {statistics.median(fits.values()):.2f}; in use "
+        f"(servematrix.engine.host): {host_cost('v0').step_ms:.2f}"
+    )
+    return lines
