@@ -6,6 +6,7 @@ Fast checks only: nothing here simulates, times or judges accuracy (that is what
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
 from dataclasses import replace
@@ -189,11 +190,12 @@ def test_validation_set_size_and_coverage() -> None:
     assert len(values) >= 400
     assert Counter(run.source for run, _ in values) == {
         "qwen25-speed": 147,
-        "kvcached-h100": 6,
+        "kvcached-h100": 20,
         "gpustack-lab": 170,
         "vllm-spotcheck": 104,
+        "llm-k8s": 40,
     }
-    gpus = {"A100-SXM4-80GB", "H100-SXM5-80GB", "H200-SXM-141GB"}
+    gpus = {"A100-SXM4-80GB", "A100-SXM4-40GB", "H100-SXM5-80GB", "H200-SXM-141GB"}
     loaded = [run for run in RUNS if run.regime != "low"]
     assert {run.gpu for run in loaded} == gpus
     assert sum(len(run.published) for run in loaded) >= 180
@@ -234,6 +236,7 @@ def test_only_the_inconsistent_source_rows_are_left_out() -> None:
     assert [(run.row, run.input_len) for run in skipped] == [
         ("32B BF16 tp1 in6144 [setting1]", 6144),
         ("32B BF16 tp1 in14336 [setting1]", 14336),
+        *((f"70B A100-40GB tp8 sharegpt rate={rate}", 213) for rate in ("4", "16", "inf")),
     ]
 
 
@@ -244,6 +247,7 @@ def test_prefix_caching_is_as_each_source_ran_vllm() -> None:
     assert caching == {
         ("gpustack-lab", True),
         ("kvcached-h100", True),
+        ("llm-k8s", True),
         ("vllm-spotcheck", False),
         ("qwen25-speed", False),
     }
@@ -259,10 +263,10 @@ def test_v0_chunked_budget_follows_the_vllm_version() -> None:
 
 def test_finite_rate_rows_are_simulated_at_the_sends_their_clients_drew() -> None:
     finite = [r for r in RUNS if r.request_rate is not None and r.request_rate != float("inf")]
-    assert {r.source for r in finite} == {"kvcached-h100", "vllm-spotcheck"}
+    assert {r.source for r in finite} == {"kvcached-h100", "vllm-spotcheck", "llm-k8s"}
     for run in finite:
         schedules = fidelity_validation.published_sends(run)
-        assert len(schedules) == {"kvcached-h100": 3, "vllm-spotcheck": 1}[run.source]
+        assert len(schedules) == {"kvcached-h100": 3, "vllm-spotcheck": 1, "llm-k8s": 1}[run.source]
         assert all(len(sends) == run.num_prompts for sends in schedules)
     burst = [r for r in RUNS if r.request_rate == float("inf") or r.interface == "offline-llm"]
     assert burst and all(fidelity_validation.published_sends(r) is None for r in burst)
@@ -296,3 +300,20 @@ def test_counts_without_e2e_leave_out_only_e2e() -> None:
     lines = fidelity_points.format_without_e2e(points)
     assert lines[0].endswith("(1 values left out)")
     assert lines[1].split()[1:3] == ["1/1", "100.0"]
+
+
+def test_llm_k8s_request_lengths_add_up_to_the_published_totals() -> None:
+    """Each run's per-request lengths (from its result file) in the order they were sent: 200
+    requests, 42,659 prompt tokens in every run (the same prompts), and the run's own output
+    total (no ``--ignore-eos``); the row's lengths are their means."""
+    runs = [run for run in RUNS if run.source == "llm-k8s"]
+    outputs = {"1": 42722, "4": 42449, "16": 42770, "inf": 42398}
+    assert sorted(run.row.rsplit("=", 1)[1] for run in runs) == sorted(outputs)
+    for run in runs:
+        rows = [json.loads(line) for line in fidelity_validation.request_lengths(run).open()]
+        inputs = [row["input_len"] for row in rows]
+        assert len(rows) == run.num_prompts == 200 and sum(inputs) == 42659
+        total = sum(row["output_len"] for row in rows)
+        assert total == outputs[run.row.rsplit("=", 1)[1]]
+        assert (run.input_len, run.output_len) == (round(42659 / 200), round(total / 200))
+    assert fidelity_validation.request_lengths(RUNS[0]) is None

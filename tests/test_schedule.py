@@ -1,7 +1,12 @@
 import numpy as np
 import pytest
 
-from servematrix.schedule import arrival_times, bench_serve_019_sends, benchmark_serving_08_sends
+from servematrix.schedule import (
+    arrival_times,
+    bench_serve_019_sends,
+    benchmark_serving_08_sends,
+    benchmark_serving_08_sharegpt_sends,
+)
 
 
 def test_matches_vllm_benchmark_client_with_seed_0():
@@ -50,3 +55,12 @@ def test_vllm_019_client_sends_are_rescaled_to_end_at_n_over_qps():
     assert sends == pytest.approx(draws * 2.0 / draws[-1])
     assert sends[0] > 0 and sends[-1] == pytest.approx(2.0)
     assert bench_serve_019_sends(500, 16.0, 42)[-1] == pytest.approx(31.25)
+
+
+def test_benchmark_serving_08_sharegpt_sends_draw_nothing_before_the_gaps() -> None:
+    """ShareGPT's sampling leaves NumPy's generator alone: the first request goes at once and the
+    gaps are the seed's first gamma draws, not the random dataset's later ones."""
+    sends = benchmark_serving_08_sharegpt_sends(200, 4.0, 0)
+    gaps = np.random.RandomState(0).gamma(1.0, 0.25, size=199)
+    assert sends[0] == 0.0 and np.allclose(np.diff(sends), gaps)
+    assert not np.allclose(sends, benchmark_serving_08_sends(200, 4.0, 0, 213, 214, 128000))

@@ -51,6 +51,9 @@ GPUS: dict[str, GpuSpec] = {
     # NVIDIA A100 datasheet (SXM4 80GB): 2,039 GB/s HBM2e, 312 TF BF16 dense, NVLink 3
     # 600 GB/s bidirectional = 300 GB/s per direction. The driver reports 79.15 GiB.
     "A100-SXM4-80GB": GpuSpec("A100-SXM4-80GB", 79.15, 2.039, 312.0, None, 300.0, True, 32.0, 8.0),
+    # NVIDIA A100 datasheet (SXM4 40GB): the same die, 1,555 GB/s HBM2. PyTorch reports 39.39 GiB
+    # total capacity on it (its out-of-memory messages in public run logs).
+    "A100-SXM4-40GB": GpuSpec("A100-SXM4-40GB", 39.39, 1.555, 312.0, None, 300.0, True, 32.0, 8.0),
     # NVIDIA H100 datasheet (SXM5): 3.35 TB/s HBM3, 989 TF BF16 / 1,979 TF FP8 dense, NVLink 4
     # 900 GB/s bidirectional. The driver reports 79.1 GiB.
     "H100-SXM5-80GB": GpuSpec("H100-SXM5-80GB", 79.1, 3.35, 989.0, 1979.0, 450.0, True, 64.0, 9.0),
