@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from servematrix.cell import identity
@@ -26,10 +26,16 @@ latency, the spot check's per-request data give it (``validation_published.csv``
 REGIMES = ("low", "moderate", "saturated")
 
 
-def predict(cell: Cell, send_times_s: Sequence[float] | None = None) -> CellMetrics:
-    """Simulate one cell (at ``send_times_s`` if given) and compute the client's metrics."""
-    result = simulate(cell, send_times_s=send_times_s)
-    return compute(to_table(identity(cell), result.records, {}))
+def predict(
+    cell: Cell, send_times_s: Sequence[float] | None = None, measured_from: int = 0
+) -> CellMetrics:
+    """Simulate one cell (at ``send_times_s`` if given) and compute the client's metrics.
+    Requests before id ``measured_from`` stand for earlier runs on the same server: they are
+    simulated, but not measured (counted as warm-ups)."""
+    records = simulate(cell, send_times_s=send_times_s).records
+    if measured_from:
+        records = [replace(r, warmup=r.warmup or r.request_id < measured_from) for r in records]
+    return compute(to_table(identity(cell), records, {}))
 
 
 def in_band(ratio: float | None) -> bool:

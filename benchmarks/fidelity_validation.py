@@ -11,7 +11,9 @@ on them.
 from __future__ import annotations
 
 import csv
+import json
 import statistics
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -117,23 +119,8 @@ def load_validation(path: Path = VALIDATION_CSV) -> list[ValidationRun]:
     return list(runs.values())
 
 
-WARM_CACHE_RUNS = tuple(f"llm-k8s 70B A100-40GB tp8 sharegpt rate={r}" for r in ("4", "16", "inf"))
-"""Runs whose server already held their prompts in its prefix cache: llm-k8s sent the same 200
-ShareGPT prompts (seed 0, identical input lengths in all four result files) at rates 1, 4, 16
-and inf, one after another within three minutes, to one server with ``--enable-prefix-caching``
-and room for all of them. The simulator starts every cell with an empty cache, so these are not
-simulated. The rate-inf run shows it: its 42,659 prompt tokens on a 70B model are >= 6.0 PFLOP,
->= 2.4 s of eight A100s at their dense peak, yet every first token came within 0.45 s (P99).
-Found after the four runs were first scored (`benchmarks/data/SOURCES.md` has those counts)."""
-
-
 def validation_unsupported(run: ValidationRun) -> str | None:
     """Why a published setup cannot be simulated as stated, or None."""
-    if run.label in WARM_CACHE_RUNS:
-        return (
-            "the server's prefix cache already held these prompts from the source's earlier "
-            "runs (the simulator starts cold; WARM_CACHE_RUNS)"
-        )
     if run.input_len + run.output_len > run.max_model_len:
         return (
             f"published max_model_len {run.max_model_len} < input {run.input_len} + output "
@@ -238,7 +225,9 @@ def _predict_serve(run: ValidationRun, seed: int) -> dict[str, float]:
         engine={"gpu": run.gpu},
     )
     schedules = published_sends(run)
-    if schedules is None:
+    if run.label in PRIMED_RUNS:
+        runs = [_predict_primed(run, cell, schedules[0] if schedules else [0.0] * run.num_prompts)]
+    elif schedules is None:
         runs = [predict(cell)]
     else:
         runs = [predict(cell, send_times_s=sends) for sends in schedules]
@@ -260,6 +249,64 @@ def request_lengths(run: ValidationRun) -> Path | None:
         return None
     finite = run.request_rate is not None and run.request_rate != float("inf")
     return directory / f"qps_{f'{run.request_rate:02.0f}' if finite else 'inf'}.jsonl"
+
+
+PRIMED_RUNS = {
+    f"llm-k8s 70B A100-40GB tp8 sharegpt rate={rate}": ("qps_01.jsonl", 1.0)
+    for rate in ("4", "16", "inf")
+}
+"""Runs whose server had already served their prompts, and the run that did (its lengths file and
+rate). llm-k8s sent the same 200 ShareGPT prompts (seed 0: identical input lengths in all four
+result files) at rates 1, 4, 16 and inf, one after another within three minutes, to one server
+with ``--enable-prefix-caching`` and room for all of them, so the later runs found them cached.
+The rate-inf run shows it: its 42,659 prompt tokens on a 70B model are >= 6.0 PFLOP, >= 2.4 s of
+eight A100s at their dense peak, yet every first token came within 0.45 s (P99). Found after the
+four runs were first scored as cold runs (`benchmarks/data/SOURCES.md` has those counts)."""
+
+PRIMING_GAP_S = 60.0
+"""Between the priming run's last send and the run's first: the cache holds every prompt with
+room to spare, so nothing is evicted meanwhile and the gap's length does not matter."""
+
+
+def _predict_primed(run: ValidationRun, cell: Cell, sends: Sequence[float]) -> Any:
+    """The priming run's requests at their send times, then the run's, on one engine, as one
+    Mooncake trace in which the two requests of a prompt have the same hash ids (so the second
+    finds the first's blocks cached); only the run's own requests are measured."""
+    priming_file, priming_rate = PRIMED_RUNS[run.label]
+    lengths = request_lengths(run)
+    assert lengths is not None
+    priming = _read_lengths(lengths.parent / priming_file)
+    measured = _read_lengths(lengths)
+    n = len(priming)
+    primed = schedule.benchmark_serving_08_sharegpt_sends(n, priming_rate, 0)
+    start = primed[-1] + PRIMING_GAP_S
+    blocks = [-(-inputs // 512) for inputs, _ in priming]
+    first_id = [sum(blocks[:k]) for k in range(n)]
+    with tempfile.TemporaryDirectory() as directory:
+        trace = Path(directory) / "primed.jsonl"
+        lines = [
+            json.dumps({"timestamp": k, "input_length": inputs, "output_length": outputs,
+                        "hash_ids": list(range(first_id[k % n], first_id[k % n] + blocks[k % n]))})
+            for k, (inputs, outputs) in enumerate([*priming, *measured])
+        ]  # fmt: skip
+        trace.write_text("\n".join(lines) + "\n")
+        workload = replace(
+            cell.workload,
+            num_prompts=2 * n,
+            input_len=run.max_model_len,
+            output_len=run.max_model_len,
+            dataset="mooncake",
+            dataset_path=str(trace),
+            trace_timing="qps",
+            warmup_requests=0,
+        )
+        all_sends = [*primed, *(start + s for s in sends)]
+        return predict(replace(cell, workload=workload), send_times_s=all_sends, measured_from=n)
+
+
+def _read_lengths(path: Path) -> list[tuple[int, int]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(row["input_len"], row["output_len"]) for row in rows]
 
 
 PUBLISHED_CLIENT_SEEDS = {"vllm-spotcheck": (0,), "kvcached-h100": (42, 99, 7), "llm-k8s": (0,)}
