@@ -16,6 +16,7 @@ import statistics
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from fidelity_points import SERVE_METRICS, Point, predict
 
 from servematrix import schedule
 from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
+from servematrix.metrics import CellMetrics
+from servematrix.replay import BLOCK_TOKENS
 
 DATA = Path(__file__).resolve().parent / "data"
 VALIDATION_CSV = DATA / "validation_published.csv"
@@ -248,7 +251,8 @@ def request_lengths(run: ValidationRun) -> Path | None:
     if directory is None:
         return None
     finite = run.request_rate is not None and run.request_rate != float("inf")
-    return directory / f"qps_{f'{run.request_rate:02.0f}' if finite else 'inf'}.jsonl"
+    rate = f"{run.request_rate:02.0f}" if finite else "inf"
+    return directory / f"qps_{rate}.jsonl"
 
 
 PRIMED_RUNS = {
@@ -268,7 +272,7 @@ PRIMING_GAP_S = 60.0
 room to spare, so nothing is evicted meanwhile and the gap's length does not matter."""
 
 
-def _predict_primed(run: ValidationRun, cell: Cell, sends: Sequence[float]) -> Any:
+def _predict_primed(run: ValidationRun, cell: Cell, sends: Sequence[float]) -> CellMetrics:
     """The priming run's requests at their send times, then the run's, on one engine, as one
     Mooncake trace in which the two requests of a prompt have the same hash ids (so the second
     finds the first's blocks cached); only the run's own requests are measured."""
@@ -280,8 +284,8 @@ def _predict_primed(run: ValidationRun, cell: Cell, sends: Sequence[float]) -> A
     n = len(priming)
     primed = schedule.benchmark_serving_08_sharegpt_sends(n, priming_rate, 0)
     start = primed[-1] + PRIMING_GAP_S
-    blocks = [-(-inputs // 512) for inputs, _ in priming]
-    first_id = [sum(blocks[:k]) for k in range(n)]
+    blocks = [-(-inputs // BLOCK_TOKENS) for inputs, _ in priming]
+    first_id = [0, *accumulate(blocks)]
     with tempfile.TemporaryDirectory() as directory:
         trace = Path(directory) / "primed.jsonl"
         lines = [

