@@ -189,8 +189,21 @@ def _predict_serve(run: ValidationRun, seed: int) -> dict[str, float]:
     """An OpenAI server and ``vllm bench serve`` (one warm-up request, then the run), with the
     client's ``--max-concurrency`` cap. A ``sharegpt`` run is simulated at every request's
     published lengths where its result files give them (`request_lengths`; the warm-up request
-    is the first, as the client's test prompt), else at its published means (the row's note
-    says so): the simulator has no ShareGPT copy."""
+    is the first, as the client's test prompt), at another run's lengths of the same prompts
+    (`BORROWED_PROMPTS`), else at its published means (the row's note says so): the simulator
+    has no ShareGPT copy."""
+    borrowed = BORROWED_PROMPTS.get(run.label)
+    if borrowed is None:
+        return _serve_values(run, _serve_cell(run, seed, request_lengths(run)))
+    with tempfile.TemporaryDirectory() as directory:
+        lengths = Path(directory) / "lengths.jsonl"
+        rows = borrowed_lengths(run, *borrowed)
+        lines = [json.dumps({"input_len": i, "output_len": o}) for i, o in rows]
+        lengths.write_text("\n".join(lines) + "\n")
+        return _serve_values(run, _serve_cell(run, seed, lengths))
+
+
+def _serve_cell(run: ValidationRun, seed: int, lengths: Path | None) -> Cell:
     model = ModelSpec(
         name=run.model.split("/")[-1],
         hf_id=run.model,
@@ -210,10 +223,9 @@ def _predict_serve(run: ValidationRun, seed: int) -> dict[str, float]:
         warmup_requests=1,
         max_concurrency=run.max_concurrency,
     )
-    lengths = request_lengths(run)
     if lengths is not None:
         workload = replace(workload, dataset="jsonl", dataset_path=str(lengths))
-    cell = Cell(
+    return Cell(
         backend="simulator",
         recipe=run.recipe,
         model=model,
@@ -227,6 +239,9 @@ def _predict_serve(run: ValidationRun, seed: int) -> dict[str, float]:
         ),
         engine={"gpu": run.gpu},
     )
+
+
+def _serve_values(run: ValidationRun, cell: Cell) -> dict[str, float]:
     schedules = published_sends(run)
     if run.label in PRIMED_RUNS:
         runs = [_predict_primed(run, cell, schedules[0] if schedules else [0.0] * run.num_prompts)]
@@ -253,6 +268,34 @@ def request_lengths(run: ValidationRun) -> Path | None:
     finite = run.request_rate is not None and run.request_rate != float("inf")
     rate = f"{run.request_rate:02.0f}" if finite else "inf"
     return directory / f"qps_{rate}.jsonl"
+
+
+BORROWED_PROMPTS = {
+    "gpustack-lab 8B H100 sharegpt c=4": (DATA / "llm-k8s" / "qps_01.jsonl", 23260),
+}
+"""ShareGPT runs whose prompts another source's result files give, with the run's published
+total of input tokens. ``vllm bench serve`` 0.11 (``vllm/benchmarks/datasets.py``,
+``ShareGPTDataset``) and ``benchmark_serving.py`` 0.8.3 (``benchmarks/benchmark_dataset.py``)
+sample alike: the same file's conversations of two or more turns, ``random.shuffle`` at
+``--seed`` (default 0 in both), then the first that pass ``is_valid_sequence`` (prompt >= 4 and
+<= 1,024 tokens, prompt + reference answer <= 2,048), in order. So GPUStack's 100 prompts are
+llm-k8s's first 100 (its 200 at seed 0), up to the filter counting tokens with another tokenizer
+(Qwen3's there, Llama 3.3's here): their input lengths add up to 22,398 against GPUStack's
+published 23,260 (0.963). The inputs are llm-k8s's, scaled to the published total; the outputs
+stay at the published mean, because each run's are its own model's answers. Chosen before
+this run was scored with them."""
+
+
+def borrowed_lengths(run: ValidationRun, path: Path, input_total: int) -> list[tuple[int, int]]:
+    """The first ``run.num_prompts`` input lengths of ``path`` scaled to ``input_total`` (largest
+    remainders rounded up, so they add up to it exactly), each with ``run.output_len``."""
+    inputs = [length for length, _ in _read_lengths(path)[: run.num_prompts]]
+    exact = [length * input_total / sum(inputs) for length in inputs]
+    scaled = [int(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda k: scaled[k] - exact[k])
+    for k in by_remainder[: input_total - sum(scaled)]:
+        scaled[k] += 1
+    return [(length, run.output_len) for length in scaled]
 
 
 PRIMED_RUNS = {

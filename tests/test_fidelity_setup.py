@@ -331,3 +331,20 @@ def test_a_primed_run_finds_its_prompts_cached_and_measures_only_its_own_request
     assert primed["request_throughput_per_s"] == pytest.approx(
         cold["request_throughput_per_s"], rel=0.3
     )
+
+
+def test_gpustack_sharegpt_run_borrows_llm_k8s_prompt_lengths_scaled_to_its_total() -> None:
+    """Both clients sample ShareGPT alike at seed 0, so GPUStack's 100 prompts are llm-k8s's
+    first 100: their lengths, in order, scaled to GPUStack's published 23,260 input tokens; the
+    outputs stay at the published mean (each run's are its own model's answers)."""
+    run = next(r for r in RUNS if r.label == "gpustack-lab 8B H100 sharegpt c=4")
+    path, total = fidelity_validation.BORROWED_PROMPTS[run.label]
+    assert total == 23260 and f"{total} input" in run.note
+    borrowed = fidelity_validation.borrowed_lengths(run, path, total)
+    source = [json.loads(line)["input_len"] for line in path.read_text().splitlines()][:100]
+    assert sum(source) == 22398  # Llama 3.3's tokenizer; Qwen3's counted 23,260 (0.963)
+    assert len(borrowed) == run.num_prompts == 100
+    assert sum(inputs for inputs, _ in borrowed) == total
+    assert {outputs for _, outputs in borrowed} == {run.output_len}
+    for (inputs, _), length in zip(borrowed, source, strict=True):
+        assert abs(inputs - length * total / sum(source)) < 1  # rounded, order kept
