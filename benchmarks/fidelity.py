@@ -51,6 +51,7 @@ from fidelity_points import (
     STATS,
     Point,
     format_breakdown,
+    format_goals,
     format_mape,
     format_values,
     format_vs_blis,
@@ -506,6 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         blocks.append(format_without_e2e(validation))
         blocks.append(format_mape(validation, "VALIDATION"))
         blocks.append(format_vs_blis([p for p in validation if p.metric in SERVE_METRICS]))
+        blocks.append(format_goals(validation))
     print("\n\n".join("\n".join(block) for block in blocks))
     if args.csv:
         write_points_csv(points, args.csv)

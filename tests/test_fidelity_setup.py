@@ -294,6 +294,23 @@ def test_latency_table_sits_next_to_blis_figures() -> None:
     assert "tpot" not in " ".join(lines)
 
 
+def test_goals_say_how_many_values_each_missed_goal_lacks_and_where_they_are() -> None:
+    points = [
+        *[_point("mean_tpot_ms", 1.0) for _ in range(6)],
+        *[_point("mean_tpot_ms", 0.5) for _ in range(3)],
+        _point("mean_tpot_ms", 2.0),
+        _point("mean_ttft_ms", 0.5, "moderate"),
+        _point("mean_ttft_ms", 0.9, "moderate"),
+    ]
+    lines = fidelity_points.format_goals(points)
+    assert lines[1].split() == ["all", "7/12", "58.3", "%", "goal", "85%:", "4", "values", "short"]
+    assert lines[2].endswith("goal 70%: 1 values short")  # moderate: 1 of 2; 2 needed
+    assert lines[3].endswith("goal 70%: 1 values short")  # saturated: 6 of 10; 7 needed
+    assert "30.0 % over 2 values (0.50, 0.90)  goal under 20 %: not met" in lines[4]
+    saturated = next(line for line in lines if line.startswith("  saturated"))
+    assert saturated.split()[3:7] == ["4/10", "(3", "below,", "1"]
+
+
 def test_counts_without_e2e_leave_out_only_e2e() -> None:
     points = [_point("mean_e2el_ms", 0.5), _point("mean_tpot_ms", 1.0)]
     lines = fidelity_points.format_without_e2e(points)
