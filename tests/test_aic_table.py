@@ -149,6 +149,30 @@ def test_fallback_to_roofline_says_why(arch, gpu, tp, quantization, why, cache, 
     assert why in choice.fallback.reason and choice.label == f"roofline ({choice.fallback.reason})"
 
 
+def test_a_sibling_card_runs_on_the_tables_plus_the_rooflines_memory_difference(
+    tables, cache, monkeypatch
+):
+    """The A100 40 GB (the 80 GB's die, slower HBM) has no tables: the 80 GB's plus the
+    roofline's difference between the cards. A memory-bound decode is slower than on the 80 GB
+    card by that difference; a compute-bound prefill costs what the 80 GB table says."""
+    from servematrix.engine.hardware import gpu_spec
+    from servematrix.engine.roofline import RooflineStepTime
+
+    monkeypatch.setenv("SERVEMATRIX_CACHE", str(cache))
+    choice = select_step_time_model(QWEN_7B, "A100-SXM4-40GB", 1, "bf16")
+    assert choice.fallback is None
+    assert "a100_sxm vllm + the roofline's A100-SXM4-40GB - A100-SXM4-80GB" in choice.label
+    roof = {g: RooflineStepTime(QWEN_7B, gpu_spec(g), 1) for g in (A100, "A100-SXM4-40GB")}
+    for batch in (decode(32, 1024), prefill(4096, 0)):
+        difference = roof["A100-SXM4-40GB"].step_ms(batch) - roof[A100].step_ms(batch)
+        assert choice.model.step_ms(batch) == pytest.approx(tables[1].step_ms(batch) + difference)
+    slower = choice.model.step_ms(decode(32, 1024)) / tables[1].step_ms(decode(32, 1024))
+    assert 1.15 < slower < 2.039 / 1.555
+    assert choice.model.step_ms(prefill(4096, 0)) == pytest.approx(
+        tables[1].step_ms(prefill(4096, 0))
+    )
+
+
 def test_cohere_is_approximated_as_llama_and_says_so(cache, monkeypatch):
     monkeypatch.setenv("SERVEMATRIX_CACHE", str(cache))
     choice = select_step_time_model("command-r7b-12-2024", A100, 1, "bf16")

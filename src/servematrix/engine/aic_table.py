@@ -51,7 +51,7 @@ from servematrix.engine.architecture import (
     load_architecture,
     resolve_config_json,
 )
-from servematrix.engine.steptime import StepBatch, StepTimeModel
+from servematrix.engine.steptime import PlusSiblingDifference, StepBatch, StepTimeModel
 from servematrix.files import cache_root
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,12 @@ SYSTEMS: dict[str, str] = {
     "H100-SXM5-80GB": "h100_sxm",
     "H200-SXM-141GB": "h200_sxm",
 }
+SIBLINGS: dict[str, str] = {"A100-SXM4-40GB": "A100-SXM4-80GB"}
+"""GPUs without tables whose die a tabulated card shares: the A100 SXM4 40 GB and 80 GB are the
+same GA100 die with the same 108 SMs, 1,410 MHz boost clock and 312 TFLOPS of bf16 (NVIDIA's
+A100 datasheet) and differ in their HBM (1,555 against 2,039 GB/s, 40 against 80 GB). Such a
+card runs on its sibling's tables plus the roofline's difference between the two
+(`steptime.PlusSiblingDifference`)."""
 WEIGHT_ONLY: dict[str, str] = {"awq": "int4_wo", "gptq-int4": "int4_wo", "gptq-int8": "int8_wo"}
 WEIGHT_ONLY_SOURCE = ("a100_sxm", "trtllm")  # the only system/framework with measured *_wo GEMMs
 LLAMA_SHAPED = {"CohereForCausalLM", "Cohere2ForCausalLM"}
@@ -418,11 +424,18 @@ def select_step_time_model(
     quantization: str,
     roofline: Callable[[Architecture, str, int, str], StepTimeModel] = _roofline,
 ) -> StepTimeChoice:
-    """aiconfigurator's tables where they cover the setup, else the roofline, saying why.
-    ``arch_name`` may also be an architecture already loaded (a user's ``config.json``)."""
+    """aiconfigurator's tables where they cover the setup (a card in `SIBLINGS`: its sibling's
+    tables plus the roofline's difference), else the roofline, saying why. ``arch_name`` may
+    also be an architecture already loaded (a user's ``config.json``)."""
     arch = load_architecture(arch_name) if isinstance(arch_name, str) else arch_name
+    sibling = SIBLINGS.get(gpu)
     try:
-        model = _aic_step_time(arch, gpu, tp, quantization)
+        model = _aic_step_time(arch, sibling or gpu, tp, quantization)
     except AicUnsupportedError as why:
         return roofline_fallback(roofline(arch, gpu, tp, quantization), str(why))
-    return StepTimeChoice(model, model.label)
+    if sibling is None:
+        return StepTimeChoice(model, model.label)
+    card = roofline(arch, gpu, tp, quantization)
+    its_sibling = roofline(arch, sibling, tp, quantization)
+    label = f"{model.label} + the roofline's {gpu} - {sibling} difference (same die, other HBM)"
+    return StepTimeChoice(PlusSiblingDifference(model, card, its_sibling), label)

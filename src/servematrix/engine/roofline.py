@@ -73,7 +73,8 @@ HBM peak for 1-32 tokens (peers §2.8)."""
 
 EFFICIENCY: dict[str, GpuEfficiency] = {
     "A100-SXM4-80GB": A100_EFFICIENCY,
-    # The 40 GB A100 has the same die and an HBM2 of the same generation: assumed alike.
+    # The 40 GB A100 has the same die and an HBM2 of the same generation: assumed alike. (Its
+    # step runs on the 80 GB card's tables plus the two rooflines' difference: aic_table.)
     "A100-SXM4-40GB": A100_EFFICIENCY,
     # vidur H100 profiles: 70-75 % MFU plateau, 76 % at 512; 86-89 % of HBM peak.
     "H100-SXM5-80GB": GpuEfficiency(0.73, 20.0, 0.87),

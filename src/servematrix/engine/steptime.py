@@ -52,3 +52,19 @@ class WithDecodeOverhead:
         if not batch.prefill_chunks and ms < self.eager_launch_ms:
             ms = self.eager_launch_ms
         return ms + self.any_step_extra_ms
+
+
+class PlusSiblingDifference:
+    """A GPU without measured tables, from a sibling card's (the same die with other memory):
+    the sibling's measured step plus the roofline's difference between the two cards for the
+    same batch. The difference is the memory-bound time the cards' HBM bandwidths set apart; a
+    compute-bound step costs the same on both, so it is the sibling's measured one."""
+
+    def __init__(self, measured: StepTimeModel, card: StepTimeModel, sibling: StepTimeModel):
+        self.measured = measured
+        self.card = card
+        self.sibling = sibling
+
+    def step_ms(self, batch: StepBatch) -> float:
+        difference = self.card.step_ms(batch) - self.sibling.step_ms(batch)
+        return self.measured.step_ms(batch) + difference
