@@ -142,6 +142,24 @@ def _v0_chunked_budget(run: ValidationRun) -> int | None:
     return None
 
 
+def v1_batch_defaults(run: ValidationRun) -> tuple[int, int] | None:
+    """The API server's ``max_num_batched_tokens`` and ``max_num_seqs`` in the run's vLLM
+    version where its rule is not the ``v1`` recipe's (`scheduler.scheduler_config`: vLLM >=
+    0.9, where PR #17885 keeps the A100 at 2,048 and 256), else None.
+    ``EngineArgs._set_default_args_v1`` (``vllm/engine/arg_utils.py``, read in the PyPI sdists):
+    0.8.2 and 0.8.3 give 8,192 tokens on a GPU named H100 or H200 and 2,048 elsewhere, and 1,024
+    sequences on every GPU; 0.8.4 gives the recipe's; 0.8.5 gives 8,192 and 1,024 on any GPU of
+    >= 70 GiB (the A100 80 GB too), else 2,048 and 256."""
+    version = run.vllm_version
+    if run.recipe != "v1" or (0, 8, 4) <= version[:3] < (0, 8, 5) or version >= (0, 9):
+        return None
+    if version < (0, 8, 4):
+        return (8192 if run.gpu.startswith(("H100", "H200")) else 2048, 1024)
+    from servematrix.engine.hardware import gpu_spec
+
+    return (8192, 1024) if gpu_spec(run.gpu).memory_gib >= 70 else (2048, 256)
+
+
 def predict_validation(run: ValidationRun, seed: int) -> dict[str, float]:
     """The simulator's value of every metric the run publishes."""
     if run.interface == "offline-llm":
@@ -225,6 +243,7 @@ def _serve_cell(run: ValidationRun, seed: int, lengths: Path | None) -> Cell:
     )
     if lengths is not None:
         workload = replace(workload, dataset="jsonl", dataset_path=str(lengths))
+    budget, seqs = v1_batch_defaults(run) or (None, None)
     return Cell(
         backend="simulator",
         recipe=run.recipe,
@@ -234,8 +253,10 @@ def _serve_cell(run: ValidationRun, seed: int, lengths: Path | None) -> Cell:
         serving=Serving(
             run.max_model_len,
             run.gpu_memory_utilization,
+            max_num_batched_tokens=budget,
             enforce_eager=run.enforce_eager,
             prefix_caching=run.prefix_caching,
+            max_num_seqs=seqs,
         ),
         engine={"gpu": run.gpu},
     )

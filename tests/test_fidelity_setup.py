@@ -260,6 +260,24 @@ def test_v0_chunked_budget_follows_the_vllm_version() -> None:
     assert fidelity_validation._v0_chunked_budget(by_row["7B BF16 tp1 in6144"]) is None
 
 
+def test_v1_batch_defaults_follow_the_vllm_version_and_gpu() -> None:
+    """vLLM 0.8.2/0.8.3 seat 1,024 sequences on every GPU and give H100/H200 8,192 tokens;
+    0.8.4 and >= 0.9 set what the v1 recipe does; 0.8.5 goes by memory (>= 70 GiB)."""
+    by_label = {run.label: run for run in RUNS}
+    llm_k8s = by_label["llm-k8s 70B A100-40GB tp8 sharegpt rate=16"]
+    spot = by_label["vllm-spotcheck QwQ-32B H100 tp2 random 1000/2000 rate=10"]
+    gpustack = by_label["gpustack-lab 8B H100 sharegpt c=4"]
+    defaults = fidelity_validation.v1_batch_defaults
+    assert defaults(llm_k8s) == (2048, 1024) and defaults(spot) == (8192, 1024)
+    assert defaults(gpustack) is None
+    assert defaults(replace(llm_k8s, vllm="0.8.4")) is None
+    assert defaults(replace(llm_k8s, vllm="0.8.5")) == (2048, 256)
+    assert defaults(replace(llm_k8s, vllm="0.8.5", gpu="A100-SXM4-80GB")) == (8192, 1024)
+    serving = fidelity_validation._serve_cell(llm_k8s, 0, None).serving
+    assert (serving.max_num_batched_tokens, serving.max_num_seqs) == (2048, 1024)
+    assert fidelity_validation._serve_cell(gpustack, 0, None).serving.max_num_seqs is None
+
+
 def test_finite_rate_rows_are_simulated_at_the_sends_their_clients_drew() -> None:
     finite = [r for r in RUNS if r.request_rate is not None and r.request_rate != float("inf")]
     assert {r.source for r in finite} == {"kvcached-h100", "vllm-spotcheck", "llm-k8s"}
