@@ -7,7 +7,7 @@ growth of ``usage.completion_tokens`` since the previous event into ``chunk_toke
 the server sends no continuous usage). Real vLLM streams ``"text": ""`` for special tokens
 and for a partial UTF-8 character; vLLM 0.6's client skipped those chunks, which on a real
 server turned completed requests into "stream ended without a token" and merged two tokens'
-times into one (docs/metrics.md, "Token events"). A usage-only chunk (``choices: []``) is not
+times into one (``servematrix.metrics``, ITL). A usage-only chunk (``choices: []``) is not
 an event.
 
 **Success** is HTTP 200, a stream that ends with ``[DONE]``, no error event, and at least one
