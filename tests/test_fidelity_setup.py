@@ -383,3 +383,39 @@ def test_gpustack_sharegpt_run_borrows_llm_k8s_prompt_lengths_scaled_to_its_tota
     assert {outputs for _, outputs in borrowed} == {run.output_len}
     for (inputs, _), length in zip(borrowed, source, strict=True):
         assert abs(inputs - length * total / sum(source)) < 1  # rounded, order kept
+
+
+def test_a_chat_stream_has_the_role_chunk_first_so_mean_itl_is_three_quarters_of_tpot() -> None:
+    """vLLM's chat stream sends its role chunk with the first token's: TTFT is unchanged, a
+    4-token request has 4 ITLs instead of 3 (the first 0), so the mean ITL is 3/4 of the TPOT,
+    the ratio GPUStack's three 128-token runs publish (175/233, 396/529, 394/525)."""
+    from servematrix.metrics import compute
+    from servematrix.trace import RequestRecord, to_table
+
+    def one(request_id: int, sent_s: float) -> RequestRecord:
+        chunks = [sent_s + 0.1 + 0.02 * k for k in range(4)]
+        return RequestRecord(
+            request_id, False, sent_s, sent_s, chunks[0], chunks[-1], chunks, [1, 1, 1, 1],
+            8, 4, True, request_input_len=8, request_output_len=4,
+        )  # fmt: skip
+
+    records = [one(k, 0.5 * k) for k in range(3)]
+    chat = [fidelity_points.as_chat_stream(r) for r in records]
+    assert chat[0].chunk_s[:2] == [0.1, 0.1] and chat[0].chunk_tokens == [0, 1, 1, 1, 1]
+    assert fidelity_points.as_chat_stream(replace(records[0], chunk_s=[], chunk_tokens=[])) == (
+        replace(records[0], chunk_s=[], chunk_tokens=[])
+    )
+    cell = identity(fidelity_validation._serve_cell(RUNS[-1], 0, None))
+    plain, chatted = (compute(to_table(cell, rs, {})) for rs in (records, chat))
+    assert chatted.mean_ttft_ms == pytest.approx(plain.mean_ttft_ms)
+    assert chatted.mean_tpot_ms == pytest.approx(plain.mean_tpot_ms) == pytest.approx(20.0)
+    assert chatted.mean_itl_ms == pytest.approx(0.75 * plain.mean_itl_ms)
+
+
+def test_only_the_runs_measured_through_the_chat_endpoint_get_chat_streams() -> None:
+    sources = (BENCHMARKS / "data" / "SOURCES.md").read_text().split("\n### ")
+    for section in sources[1:]:
+        name = section.split("`")[1]
+        if name in {run.source for run in RUNS if run.interface == "serve"}:
+            chat = "--backend openai-chat" in section
+            assert chat == (name in fidelity_validation.CHAT_SOURCES), name

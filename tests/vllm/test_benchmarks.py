@@ -25,12 +25,26 @@ def _run(script: str, env: dict[str, str], *args: str) -> subprocess.CompletedPr
 
 
 def test_real_vllm_chat_prints_both_kinds_and_stops_vllm():
+    """Both kinds cost API-server CPU; real vLLM's chat stream carries one event with
+    ``choices`` more than its tokens (the role chunk), arriving with the first token's, which a
+    completion stream does not: what ``fidelity_points.as_chat_stream`` adds to simulated
+    requests of the runs measured through the chat endpoint."""
     env = marked_env()
     result = _run("real_vllm_chat.py", env, *ARGS)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[2:]}
+    costs, streams = result.stdout.split("\n\n")
+    rows = {line.split()[0]: line.split() for line in costs.splitlines()[2:]}
     assert set(rows) == {"completions", "chat"}, result.stdout
     assert all(float(row[3]) > 0 for row in rows.values()), result.stdout
+    shapes = {
+        line.split()[0]: [float(v) for v in line.split()[1:]]
+        for line in streams.splitlines()
+        if line.startswith(("completions", "chat"))
+    }
+    events, tokens, first_ms, later_ms = shapes["completions"]
+    assert events == tokens == 4 and first_ms > 0.5 * later_ms, result.stdout
+    events, tokens, first_ms, later_ms = shapes["chat"]
+    assert events == tokens + 1 == 5 and first_ms < 0.25 * later_ms, result.stdout
     assert marked_processes(env[MARK]) == []
 
 
