@@ -216,7 +216,8 @@ def _predict_serve(run: ValidationRun, seed: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as directory:
         lengths = Path(directory) / "lengths.jsonl"
         rows = borrowed_lengths(run, *borrowed)
-        lines = [json.dumps({"input_len": i, "output_len": o}) for i, o in rows]
+        template = CHAT_SOURCES.get(run.source, 0)
+        lines = [json.dumps({"input_len": i + template, "output_len": o}) for i, o in rows]
         lengths.write_text("\n".join(lines) + "\n")
         return _serve_values(run, _serve_cell(run, seed, lengths))
 
@@ -232,7 +233,7 @@ def _serve_cell(run: ValidationRun, seed: int, lengths: Path | None) -> Cell:
     )
     workload = Workload(
         qps=run.request_rate if run.request_rate is not None else float("inf"),
-        input_len=run.input_len,
+        input_len=run.input_len + CHAT_SOURCES.get(run.source, 0),
         output_len=run.output_len,
         num_prompts=run.num_prompts,
         seed=seed,
@@ -276,11 +277,17 @@ def _serve_values(run: ValidationRun, cell: Cell) -> dict[str, float]:
     return values
 
 
-CHAT_SOURCES = frozenset({"gpustack-lab"})
-"""Sources whose client read chat completion streams: GPUStack's ``vllm bench serve --backend
-openai-chat --endpoint /v1/chat/completions`` (``SOURCES.md``), whose streams carry one event
-more per request than a completion stream (`fidelity_points.as_chat_stream`). The other serving
-sources used ``--backend vllm`` (``/v1/completions``)."""
+CHAT_SOURCES = {"gpustack-lab": 8}
+"""Sources whose client sent chat messages, with the tokens the server's chat template adds
+around one user message. GPUStack's ``vllm bench serve --backend openai-chat --endpoint
+/v1/chat/completions`` (``SOURCES.md``): each prompt is one user message, which vLLM renders in
+Qwen3's template, ``<|im_start|>user\\n`` + prompt + ``<|im_end|>\\n<|im_start|>assistant\\n``
+(no default system turn; the thinking block only when ``enable_thinking`` is false): 8 tokens of
+the Qwen2 vocabulary (``<|im_start|>``, ``user``, ``\\n``, ``<|im_end|>``, ``\\n``,
+``<|im_start|>``, ``assistant``, ``\\n``) that the engine prefills and the client's input count
+leaves out. Their streams carry one event more per request than a completion stream
+(`fidelity_points.as_chat_stream`). The other serving sources used ``--backend vllm``
+(``/v1/completions``)."""
 
 REQUEST_LENGTHS = {"llm-k8s": DATA / "llm-k8s"}
 """Sources whose result files give every request's input and output length: one ``jsonl``

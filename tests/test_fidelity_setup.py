@@ -419,3 +419,13 @@ def test_only_the_runs_measured_through_the_chat_endpoint_get_chat_streams() -> 
         if name in {run.source for run in RUNS if run.interface == "serve"}:
             chat = "--backend openai-chat" in section
             assert chat == (name in fidelity_validation.CHAT_SOURCES), name
+
+
+def test_chat_runs_prefill_the_chat_template_around_the_published_prompt() -> None:
+    """Qwen3's template adds <|im_start|>user\\n ... <|im_end|>\\n<|im_start|>assistant\\n, 8
+    tokens the client's published input count leaves out; a completions run gets none."""
+    by_label = {run.label: run for run in RUNS}
+    chat = by_label["gpustack-lab 14B A100 random 128 rate=inf"]
+    plain = by_label["vllm-spotcheck QwQ-32B H100 tp2 random 1000/2000 rate=10"]
+    assert fidelity_validation._serve_cell(chat, 0, None).workload.input_len == 128 + 8
+    assert fidelity_validation._serve_cell(plain, 0, None).workload.input_len == 1000
