@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
+from real_vllm_chat import exit_on_sigterm
 
 from servematrix import config
 from servematrix.cell import run_cell
@@ -125,6 +126,7 @@ def main() -> None:
     parser.add_argument("--qps", type=float, nargs="+", default=[2.0, 8.0, 16.0])
     parser.add_argument("--num-prompts", type=int, default=40)
     args = parser.parse_args()
+    exit_on_sigterm()
     env.ensure_venv()
     model = env.ensure_model()
     work = Path(tempfile.mkdtemp(prefix="real-vllm-"))

@@ -32,6 +32,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -176,6 +177,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--one-by-one", type=int, default=20, help="requests per stream shape")
     args = parser.parse_args()
+    exit_on_sigterm()
     env.ensure_venv()
     model = str(env.ensure_model())
     work = Path(tempfile.mkdtemp(prefix="real-vllm-chat-"))
@@ -213,6 +215,13 @@ def main() -> None:
     print("request, median gaps after the first event and between later ones (ms)")
     print("kind          events  tokens  first gap ms  later gap ms")
     print("\n".join(shapes))
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit``, as Ctrl-C is ``KeyboardInterrupt``: a benchmark killed
+    either way runs its ``finally`` and stops the vLLM it started (by default SIGTERM ends the
+    interpreter at once and leaves vLLM's three processes running)."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def stop_group(server: subprocess.Popen, timeout_s: float = 30.0) -> None:

@@ -49,6 +49,7 @@ from real_vllm import delta, scrape
 from real_vllm_chat import (
     CHAT_TEMPLATE,
     cpu_s,
+    exit_on_sigterm,
     free_port,
     prompts,
     request,
@@ -262,6 +263,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100, help="requests per paced run")
     parser.add_argument("--repeat", type=int, default=3, help="paced runs; the median is shown")
     args = parser.parse_args()
+    exit_on_sigterm()
     try:
         pythons = {version: ensure_version(version) for version in args.versions}
     except env.PrepareError as error:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,31 @@ def test_real_vllm_chat_prints_both_kinds_and_stops_vllm():
     assert events == tokens == 4 and first_ms > 0.5 * later_ms, result.stdout
     events, tokens, first_ms, later_ms = shapes["chat"]
     assert events == tokens + 1 == 5 and first_ms < 0.25 * later_ms, result.stdout
+    assert marked_processes(env[MARK]) == []
+
+
+def test_a_benchmark_stopped_with_sigterm_stops_the_vllm_it_started(tmp_path):
+    """SIGTERM (a kill, a scheduler's stop) mid-run: the script exits through its cleanup, and
+    none of the vLLM processes it started is left (by default SIGTERM ends Python at once)."""
+    env = marked_env()
+    script = ROOT / "benchmarks" / "real_vllm_chat.py"
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), "--requests", "40", "--repeat", "100"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        started = any(line.startswith("completions") for line in proc.stdout)  # first burst done
+        assert started, (tmp_path / "stderr").read_text()[-3000:]
+        serving = [p for p in marked_processes(env[MARK]) if int(p.split()[0]) != proc.pid]
+        assert serving, "no vLLM process"  # the API server, its engine core and worker
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
     assert marked_processes(env[MARK]) == []
 
 
