@@ -405,7 +405,8 @@ def test_a_chat_stream_has_the_role_chunk_first_so_mean_itl_is_three_quarters_of
     assert fidelity_points.as_chat_stream(replace(records[0], chunk_s=[], chunk_tokens=[])) == (
         replace(records[0], chunk_s=[], chunk_tokens=[])
     )
-    cell = identity(fidelity_validation._serve_cell(RUNS[-1], 0, None))
+    run = next(r for r in RUNS if r.label == "gpustack-lab 14B A100 random 128 rate=inf")
+    cell = identity(fidelity_validation._serve_cell(run, 0, None))
     plain, chatted = (compute(to_table(cell, rs, {})) for rs in (records, chat))
     assert chatted.mean_ttft_ms == pytest.approx(plain.mean_ttft_ms)
     assert chatted.mean_tpot_ms == pytest.approx(plain.mean_tpot_ms) == pytest.approx(20.0)
