@@ -150,13 +150,15 @@ def v1_batch_defaults(run: ValidationRun) -> tuple[int, int] | None:
     0.8.2 and 0.8.3 give 8,192 tokens on a GPU named H100 or H200 and 2,048 elsewhere, and 1,024
     sequences on every GPU; 0.8.4 gives the recipe's; 0.8.5 gives 8,192 and 1,024 on any GPU of
     >= 70 GiB (the A100 80 GB too), else 2,048 and 256."""
+    from servematrix.engine.hardware import gpu_spec
+
     version = run.vllm_version
-    if run.recipe != "v1" or (0, 8, 4) <= version[:3] < (0, 8, 5) or version >= (0, 9):
+    if run.recipe != "v1" or version >= (0, 9):
         return None
     if version < (0, 8, 4):
         return (8192 if run.gpu.startswith(("H100", "H200")) else 2048, 1024)
-    from servematrix.engine.hardware import gpu_spec
-
+    if version < (0, 8, 5):
+        return None
     return (8192, 1024) if gpu_spec(run.gpu).memory_gib >= 70 else (2048, 256)
 
 
