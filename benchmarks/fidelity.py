@@ -43,6 +43,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from fidelity_cross_gpu import cross_gpu_ratios, format_cross_gpu
 from fidelity_points import (
     BAND,
     FAMILIES,
@@ -498,7 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         blocks.append(format_breakdown(calibration, args.seeds, "CALIBRATION"))
         blocks.append(format_mape(calibration, "CALIBRATION"))
     if args.set in ("validation", "both"):
-        validation, skipped = validation_points(load_validation(), args.seeds)
+        runs = load_validation()
+        validation, skipped = validation_points(runs, args.seeds)
         points += validation
         blocks.append(["#### VALIDATION set: other public vLLM results (out of sample)"])
         title = "VALIDATION values (never used to fit or choose a model variant)"
@@ -508,6 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         blocks.append(format_mape(validation, "VALIDATION"))
         blocks.append(format_vs_blis([p for p in validation if p.metric in SERVE_METRICS]))
         blocks.append(format_goals(validation))
+        blocks.append(format_cross_gpu(cross_gpu_ratios(runs, validation)))
     print("\n\n".join("\n".join(block) for block in blocks))
     if args.csv:
         write_points_csv(points, args.csv)

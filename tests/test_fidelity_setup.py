@@ -7,10 +7,8 @@ Fast checks only: nothing here simulates, times or judges accuracy (that is what
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 from dataclasses import replace
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -21,17 +19,11 @@ from servematrix.config import SCHEMA_PATH
 from servematrix.engine.architecture import load_architecture
 from servematrix.engine.hardware import gpu_spec
 from servematrix.matrix import RECIPES, Cell
+from tests.benchmark_modules import BENCHMARKS, load
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ROOT / "benchmarks"
-
-sys.path.insert(0, str(BENCHMARKS))  # the scripts import their sibling modules by name
-try:
-    import fidelity
-    import fidelity_points
-    import fidelity_validation
-finally:
-    sys.path.remove(str(BENCHMARKS))
+fidelity, fidelity_points, fidelity_validation = load(
+    "fidelity", "fidelity_points", "fidelity_validation"
+)
 ROWS = fidelity.load_published()
 
 
