@@ -162,6 +162,37 @@ def v1_batch_defaults(run: ValidationRun) -> tuple[int, int] | None:
     return (8192, 1024) if gpu_spec(run.gpu).memory_gib >= 70 else (2048, 256)
 
 
+CUDA_CONTEXT_GIB = 0.5
+"""The CUDA context's device memory per GPU (approximate; docs/engine-model.md, "KV memory and
+quantization"). No recipe's vLLM counts it; vLLM 0.8.2 and 0.8.3 do (`v1_memory_utilization`)."""
+
+
+def v1_memory_utilization(run: ValidationRun) -> float:
+    """The ``gpu_memory_utilization`` that gives the ``v1`` recipe's KV plan the pool of the
+    run's own vLLM version. ``Worker.determine_available_memory`` of vLLM 0.8.2 and 0.8.3
+    (``vllm/v1/worker/gpu_worker.py``, read in the PyPI sdists) subtracts torch's peak allocation
+    in the profile run plus everything else in use on the device (``mem_get_info``'s total less
+    free, less torch's allocation): the CUDA context, the NCCL and custom all-reduce buffers,
+    cuBLAS workspaces. It captures the CUDA graphs after the KV cache is allocated
+    (``initialize_from_config``, then ``compile_or_warm_up_model``). So it counts the context
+    and, at TP > 1, the TP buffers, and not the graphs; the recipe (vLLM 0.33) counts the graphs
+    and neither of the others (`kvcache.counted_reserve_gib`). The plan's budget is the card's
+    memory x utilization less weights, activations and reserve, so a larger reserve is exactly a
+    utilization lower by the difference over the card's memory. Other versions: the run's own."""
+    from servematrix.engine.hardware import gpu_spec
+    from servematrix.engine.kvcache import (
+        RUNTIME_RESERVE_GIB,
+        TP_RESERVE_GIB,
+        counted_reserve_gib,
+    )
+
+    if run.recipe != "v1" or not (0, 8, 2) <= run.vllm_version < (0, 8, 4):
+        return run.gpu_memory_utilization
+    own = RUNTIME_RESERVE_GIB + CUDA_CONTEXT_GIB + (TP_RESERVE_GIB if run.tp > 1 else 0.0)
+    extra_gib = own - counted_reserve_gib("v1", run.tp, run.enforce_eager)
+    return run.gpu_memory_utilization - extra_gib / gpu_spec(run.gpu).memory_gib
+
+
 def predict_validation(run: ValidationRun, seed: int) -> dict[str, float]:
     """The simulator's value of every metric the run publishes."""
     if run.interface == "offline-llm":
@@ -255,7 +286,7 @@ def _serve_cell(run: ValidationRun, seed: int, lengths: Path | None) -> Cell:
         workload=workload,
         serving=Serving(
             run.max_model_len,
-            run.gpu_memory_utilization,
+            v1_memory_utilization(run),
             max_num_batched_tokens=budget,
             enforce_eager=run.enforce_eager,
             prefix_caching=run.prefix_caching,

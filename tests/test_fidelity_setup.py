@@ -18,6 +18,7 @@ from servematrix.cell import identity
 from servematrix.config import SCHEMA_PATH
 from servematrix.engine.architecture import load_architecture
 from servematrix.engine.hardware import gpu_spec
+from servematrix.engine.setup import EngineFlags, plan_engine
 from servematrix.matrix import RECIPES, Cell
 from tests.benchmark_modules import BENCHMARKS, load
 
@@ -268,6 +269,29 @@ def test_v1_batch_defaults_follow_the_vllm_version_and_gpu() -> None:
     serving = fidelity_validation._serve_cell(llm_k8s, 0, None).serving
     assert (serving.max_num_batched_tokens, serving.max_num_seqs) == (2048, 1024)
     assert fidelity_validation._serve_cell(gpustack, 0, None).serving.max_num_seqs is None
+
+
+def test_v1_runs_of_vllm_082_and_083_count_the_cuda_context_and_tp_buffers() -> None:
+    """0.8.2/0.8.3 subtract everything on the device but torch's allocation (the CUDA context,
+    the TP buffers) and capture the graphs after: at TP > 1 that is 0.5 GiB more than the v1
+    recipe's reserve, carried as a lower utilization; at TP 1 the same; other versions as run."""
+    by_label = {run.label: run for run in RUNS}
+    spot = by_label["vllm-spotcheck QwQ-32B H100 tp2 random 10000/500 rate=10"]
+    llm_k8s = by_label["llm-k8s 70B A100-40GB tp8 sharegpt rate=16"]
+    gpustack = by_label["gpustack-lab 14B H100 random 4k rate=inf"]
+    utilization = fidelity_validation.v1_memory_utilization
+    assert utilization(spot) == pytest.approx(0.9 - 0.5 / gpu_spec(spot.gpu).memory_gib)
+    assert utilization(llm_k8s) == pytest.approx(
+        llm_k8s.gpu_memory_utilization - 0.5 / gpu_spec(llm_k8s.gpu).memory_gib
+    )
+    assert utilization(replace(spot, tp=1)) == spot.gpu_memory_utilization
+    assert utilization(gpustack) == gpustack.gpu_memory_utilization  # 0.11: the recipe's
+    assert utilization(replace(spot, vllm="0.8.4")) == spot.gpu_memory_utilization
+    cell = fidelity_validation._serve_cell(spot, 0, None)
+    assert cell.serving.gpu_memory_utilization == utilization(spot)
+    # 0.5 GiB / 128 KiB per token per GPU (64 layers x 4 KV heads x 128 x 2 x 2 B) = 256 blocks
+    plan = plan_engine(spot.architecture, EngineFlags.of_cell(cell))
+    assert plan.kv.num_blocks == 19277
 
 
 def test_finite_rate_rows_are_simulated_at_the_sends_their_clients_drew() -> None:

@@ -22,9 +22,10 @@ BLOCK_SIZE_TOKENS = 16
 
 RUNTIME_RESERVE_GIB = 0.5
 """cuBLAS workspaces, attention-backend buffers and allocator fragmentation per GPU
-(approximate; published V1 logs show 0.02-0.61 GiB of such non-torch growth). Every vLLM
-version measures from a snapshot taken after the CUDA context exists, so the context itself
-is not counted (docs/engine-model.md, "KV memory and quantization")."""
+(approximate; published V1 logs show 0.02-0.61 GiB of such non-torch growth). The recipes'
+vLLM versions measure from a snapshot taken after the CUDA context exists, so the context
+itself is not counted (V1 0.8.2/0.8.3 did count it: docs/engine-model.md, "KV memory and
+quantization")."""
 
 TP_RESERVE_GIB = 0.5
 """NCCL and custom all-reduce buffers per GPU when TP > 1 (approximate). V0 counts them (its
