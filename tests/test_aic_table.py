@@ -8,6 +8,7 @@ fallback must land within 30 % of it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from servematrix.engine.steptime import StepBatch
 from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
 
 A100 = "A100-SXM4-80GB"
+H100 = "H100-SXM5-80GB"
 QWEN_7B = load_architecture("qwen2.5-7b")
 TPS = (1, 2, 4)
 GRID_DECODES = ((1, 1024), (32, 1024), (8, 4096))
@@ -181,6 +183,23 @@ def test_cohere_is_approximated_as_llama_and_says_so(cache, monkeypatch):
     assert "sliding-window" in choice.label
     assert 5 < choice.model.step_ms(decode(1, 1024)) < 20
 
+
+
+def test_mistral_runs_on_the_tables_of_the_same_llama_without_an_approximation(
+    cache, monkeypatch, tmp_path
+):
+    """Mistral-Nemo (``head_dim`` 128 under a 5,120-wide model) steps as the Llama config of its
+    dimensions does in aiconfigurator itself, and its label claims no approximation."""
+    monkeypatch.setenv("SERVEMATRIX_CACHE", str(cache))
+    choice = select_step_time_model("mistral-nemo-12b", H100, 1, "bf16")
+    assert isinstance(choice.model, AicStepTime) and choice.fallback is None
+    assert "approximation" not in choice.label
+    config = json.loads(aic_table.resolve_config_json("mistral-nemo-12b").read_text())
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llama = AicStepTime(load_architecture(str(tmp_path)), H100, 1, "bf16", cache)
+    for batch in (decode(32, 1024), prefill(1024, 0), prefill(512, 2048)):
+        assert choice.model.step_ms(batch) == pytest.approx(llama.step_ms(batch), rel=1e-9)
 
 # The roofline fallback is never silent: a warning, a field in the trace metadata, the report.
 

@@ -73,6 +73,11 @@ card runs on its sibling's tables plus the roofline's difference between the two
 WEIGHT_ONLY: dict[str, str] = {"awq": "int4_wo", "gptq-int4": "int4_wo", "gptq-int8": "int8_wo"}
 WEIGHT_ONLY_SOURCE = ("a100_sxm", "trtllm")  # the only system/framework with measured *_wo GEMMs
 LLAMA_SHAPED = {"CohereForCausalLM", "Cohere2ForCausalLM"}
+LLAMA_EXACT = {"MistralForCausalLM"}
+"""Architectures aiconfigurator rejects that are a Llama of the same dimensions exactly (the
+same decoder: RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, ``head_dim`` as given;
+`architecture` refuses a sliding-window config), so they run on its Llama tables without the
+approximation `LLAMA_SHAPED` models carry."""
 
 
 def _grid(lo: int, hi: int, per_octave: int, dense_to: int = 16) -> np.ndarray:
@@ -159,8 +164,9 @@ def aic_query(arch: Architecture, gpu: str, tp: int, quantization: str) -> AicQu
         raise AicUnsupportedError(f"quantization {quantization!r} unknown to the table builder")
     config = json.loads(resolve_config_json(arch.name).read_text())
     approximations: list[str] = []
-    if arch.hf_architecture in LLAMA_SHAPED:
+    if arch.hf_architecture in LLAMA_SHAPED | LLAMA_EXACT:
         config = llama_shaped(config)
+    if arch.hf_architecture in LLAMA_SHAPED:
         ignored = "parallel attention+MLP block, LayerNorm"
         if arch.hf_architecture == "Cohere2ForCausalLM":
             ignored += ", sliding-window attention in 3 of 4 layers"
