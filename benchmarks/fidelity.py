@@ -19,6 +19,10 @@ Setup of every row, as the published runs had it (reference/vllm-mooncake-spec.m
   (``max_num_batched_tokens``), v0.2 rows with TP > 1 ``enforce_eager`` (the Dec 2024 doc
   required ``--enforce-eager`` with TP), 2-NIC rows ``engine.kv_link.nics = 2``.
 
+The calibration set also holds the Qwen2 speed tables (``calibration_qwen2_speed.csv``, the v0
+host cost is fitted on them) and BLIS's H100 serving runs (`fidelity_blis`, the V1 host
+constants were fitted on them); every calibration count below includes both.
+
 Usage: ``python benchmarks/fidelity.py [--table v0.2-qps ...] [--seeds K] [--csv out.csv]``.
 
 ``--seeds K`` also re-simulates every row with seeds 0..K-1 (new Poisson arrivals and step
@@ -43,6 +47,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from fidelity_blis import blis_points, load_blis_runs
 from fidelity_cross_gpu import cross_gpu_ratios, format_cross_gpu
 from fidelity_points import (
     BAND,
@@ -495,6 +500,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             blocks.append(format_host_fit(qwen2_runs))
         calibration += qwen2
+        blis_runs = [] if args.table else load_blis_runs()
+        blis, blis_skipped = blis_points(blis_runs, args.seeds)
+        if blis_runs:
+            title = "CALIBRATION blis-h100 (the V1 host constants were fitted on these)"
+            blocks.append(format_values(blis, blis_skipped, args.seeds, title))
+        calibration += blis
         points += calibration
         blocks.append(format_breakdown(calibration, args.seeds, "CALIBRATION"))
         blocks.append(format_mape(calibration, "CALIBRATION"))

@@ -184,7 +184,6 @@ def test_cohere_is_approximated_as_llama_and_says_so(cache, monkeypatch):
     assert 5 < choice.model.step_ms(decode(1, 1024)) < 20
 
 
-
 def test_mistral_runs_on_the_tables_of_the_same_llama_without_an_approximation(
     cache, monkeypatch, tmp_path
 ):
@@ -200,6 +199,7 @@ def test_mistral_runs_on_the_tables_of_the_same_llama_without_an_approximation(
     llama = AicStepTime(load_architecture(str(tmp_path)), H100, 1, "bf16", cache)
     for batch in (decode(32, 1024), prefill(1024, 0), prefill(512, 2048)):
         assert choice.model.step_ms(batch) == pytest.approx(llama.step_ms(batch), rel=1e-9)
+
 
 # The roofline fallback is never silent: a warning, a field in the trace metadata, the report.
 
