@@ -339,10 +339,12 @@ def request_lengths(run: ValidationRun) -> Path | None:
 
 
 BORROWED_PROMPTS = {
-    "gpustack-lab 8B H100 sharegpt c=4": (DATA / "llm-k8s" / "qps_01.jsonl", 23260),
+    f"gpustack-lab 8B H100 sharegpt c={concurrency}": (DATA / "llm-k8s" / "qps_01.jsonl", 23260)
+    for concurrency in (1, 2, 4, 8)
 }
 """ShareGPT runs whose prompts another source's result files give, with the run's published
-total of input tokens. ``vllm bench serve`` 0.11 (``vllm/benchmarks/datasets.py``,
+total of input tokens (GPUStack's four concurrency caps send the same 100 prompts: the same
+23,260 / 22,061 token totals). ``vllm bench serve`` 0.11 (``vllm/benchmarks/datasets.py``,
 ``ShareGPTDataset``) and ``benchmark_serving.py`` 0.8.3 (``benchmarks/benchmark_dataset.py``)
 sample alike: the same file's conversations of two or more turns, ``random.shuffle`` at
 ``--seed`` (default 0 in both), then the first that pass ``is_valid_sequence`` (prompt >= 4 and
@@ -351,7 +353,8 @@ llm-k8s's first 100 (its 200 at seed 0), up to the filter counting tokens with a
 (Qwen3's there, Llama 3.3's here): their input lengths add up to 22,398 against GPUStack's
 published 23,260 (0.963). The inputs are llm-k8s's, scaled to the published total; the outputs
 stay at the published mean, because each run's are its own model's answers. Chosen before
-this run was scored with them."""
+the concurrency-4 run was scored with them; the other three caps were added later, read the
+same way."""
 
 
 def borrowed_lengths(run: ValidationRun, path: Path, input_total: int) -> list[tuple[int, int]]:

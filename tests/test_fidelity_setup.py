@@ -184,7 +184,7 @@ def test_validation_set_size_and_coverage() -> None:
     assert Counter(run.source for run, _ in values) == {
         "qwen25-speed": 147,
         "kvcached-h100": 20,
-        "gpustack-lab": 170,
+        "gpustack-lab": 200,
         "vllm-spotcheck": 104,
         "llm-k8s": 40,
     }
@@ -399,6 +399,28 @@ def test_gpustack_sharegpt_run_borrows_llm_k8s_prompt_lengths_scaled_to_its_tota
     assert {outputs for _, outputs in borrowed} == {run.output_len}
     for (inputs, _), length in zip(borrowed, source, strict=True):
         assert abs(inputs - length * total / sum(source)) < 1  # rounded, order kept
+
+
+def test_gpustack_8b_concurrency_runs_differ_only_in_their_cap() -> None:
+    """GPUStack's latency page runs the same 100 ShareGPT prompts at concurrency 1, 2, 4 and 8;
+    one request at a time is the low regime, the caps above it moderate."""
+    runs = {
+        r.max_concurrency: r for r in RUNS if r.label.startswith("gpustack-lab 8B H100 sharegpt c=")
+    }
+    assert sorted(runs) == [1, 2, 4, 8]
+    assert {c: r.regime for c, r in runs.items()} == {
+        1: "low",
+        2: "moderate",
+        4: "moderate",
+        8: "moderate",
+    }
+    for run in runs.values():
+        assert run.label in fidelity_validation.BORROWED_PROMPTS
+        assert replace(run, row="", max_concurrency=None, regime="", published={}) == replace(
+            runs[4], row="", max_concurrency=None, regime="", published={}
+        )
+    assert runs[1].published["mean_ttft_ms"] == 59.01
+    assert runs[8].published["p99_itl_ms"] == 45.48
 
 
 def test_a_chat_stream_has_the_role_chunk_first_so_mean_itl_is_three_quarters_of_tpot() -> None:
