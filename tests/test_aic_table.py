@@ -201,6 +201,57 @@ def test_mistral_runs_on_the_tables_of_the_same_llama_without_an_approximation(
         assert choice.model.step_ms(batch) == pytest.approx(llama.step_ms(batch), rel=1e-9)
 
 
+def test_only_more_kv_heads_per_gpu_than_the_tables_hold_get_an_equivalent() -> None:
+    """Llama-2-7B has 32 KV heads: 32 per GPU at TP 1 (4x the tables' 8), 16 at TP 2, 8 at TP 4;
+    grouped-query models and head counts no multiple of 8 stay as aiconfigurator reads them."""
+    llama2 = json.loads(aic_table.resolve_config_json("llama-2-7b").read_text())
+    fewer, ratio = aic_table.mha_equivalent(llama2, 1)
+    assert ratio == 4
+    assert (fewer["num_attention_heads"], fewer["num_key_value_heads"], fewer["head_dim"]) == (
+        8,
+        8,
+        128,
+    )
+    assert fewer["hidden_size"] == llama2["hidden_size"] == 4096
+    assert aic_table.mha_equivalent(llama2, 2)[1] == 2
+    assert aic_table.mha_equivalent(llama2, 4) is None
+    qwen = json.loads(aic_table.resolve_config_json("qwen2.5-7b").read_text())
+    assert aic_table.mha_equivalent(qwen, 1) is None
+    assert aic_table.mha_equivalent({**llama2, "num_key_value_heads": 12}, 1) is None
+
+
+def test_mha_decode_attention_is_the_8_head_table_at_the_wider_batch(cache, monkeypatch):
+    """aiconfigurator scales its 8-head decode attention by the head count (4x at 32 heads, its
+    per-call floor included); the table takes the 8-head call at 4x the batch instead, the same
+    (sequence, KV head) blocks of work, and so reads Llama-2's KV on one H100 below the HBM peak
+    of 3.35 TB/s but above aiconfigurator's 2.2 TB/s."""
+    monkeypatch.setenv("SERVEMATRIX_CACHE", str(cache))
+    choice = select_step_time_model("llama-2-7b", H100, 1, "bf16")
+    assert "32 KV heads per GPU read off the 8-head table at 4x the batch" in choice.label
+    config = json.loads(aic_table.resolve_config_json("llama-2-7b").read_text())
+    fewer, ratio = aic_table.mha_equivalent(config, 1)
+    with aic_table._aic_logs_to_debug():
+        plain = aic_table._compile(
+            aic_table.AicQuery(config, "h100_sxm", 1, "bf16", ()), "vllm", None
+        )
+        eight = aic_table._compile(
+            aic_table.AicQuery(fewer, "h100_sxm", 1, "bf16", ()), "vllm", None
+        )
+    attention = aic_table._decode_attention_ms
+    for batch, context in ((64, 1024), (1, 1024), (8, 4096)):
+        expected = (
+            plain.predict_decode_latency(batch, context)
+            - attention(plain, batch, context)
+            + attention(eight, batch * ratio, context)
+        )
+        assert choice.model.step_ms(decode(batch, context)) == pytest.approx(expected, rel=1e-9)
+    # 64 sequences x 701 tokens x 32 KV heads x 128 x (K, V) x 2 bytes x 32 layers: 23.5 GB
+    kv_bytes = 64 * 701 * 32 * 128 * 2 * 2 * 32
+    old_tb_s = kv_bytes / attention(plain, 64, 700) / 1e9
+    new_tb_s = kv_bytes / attention(eight, 64 * ratio, 700) / 1e9
+    assert old_tb_s < 2.5 < new_tb_s < 3.35
+
+
 # The roofline fallback is never silent: a warning, a field in the trace metadata, the report.
 
 
