@@ -109,6 +109,8 @@ class Stream:
 
     events_s: list[float]
     tokens: int
+    role_chunks: int
+    """Events whose delta carries the assistant's role and no text (a chat stream's first)."""
 
 
 async def _one(
@@ -116,7 +118,7 @@ async def _one(
 ) -> Stream:
     url, body = request(model, kind, text)
     events: list[float] = []
-    tokens = 0
+    tokens = role_chunks = 0
     async with session.post(base + url, json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"{url}: HTTP {response.status}: {await response.text()}")
@@ -126,9 +128,11 @@ async def _one(
             event = json.loads(line[5:])
             if event.get("choices"):
                 events.append(time.perf_counter())
+                delta = event["choices"][0].get("delta", {})
+                role_chunks += bool(delta.get("role")) and not delta.get("content")
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-    return Stream(events, tokens)
+    return Stream(events, tokens, role_chunks)
 
 
 async def _burst(base: str, model: str, pid: int, kind: str, texts: list[str]) -> tuple:
@@ -149,13 +153,17 @@ async def _one_by_one(base: str, model: str, kind: str, texts: list[str]) -> lis
 
 
 def stream_shape(kind: str, streams: Sequence[Stream]) -> str:
-    """Events per request against tokens, and the median first and later gaps (ms): a chat
-    stream's first event is its role chunk, sent with the first token's chunk."""
+    """Events per request against tokens and role chunks, and the median first and later gaps
+    (ms): a chat stream's first event is its role chunk, sent with the first token's chunk."""
     events = statistics.fmean(len(s.events_s) for s in streams)
     tokens = statistics.fmean(s.tokens for s in streams)
+    roles = statistics.fmean(s.role_chunks for s in streams)
     first = statistics.median(s.events_s[1] - s.events_s[0] for s in streams)
     later = statistics.median(b - a for s in streams for a, b in pairwise(s.events_s[1:]))
-    return f"{kind:12s}  {events:6.2f}  {tokens:6.2f}  {first * 1e3:12.3f}  {later * 1e3:12.3f}"
+    return (
+        f"{kind:12s}  {events:6.2f}  {tokens:6.2f}  {roles:5.2f}"
+        f"  {first * 1e3:12.3f}  {later * 1e3:12.3f}"
+    )
 
 
 def wait_healthy(base: str, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
@@ -212,8 +220,9 @@ def main() -> None:
     finally:
         stop_group(server)
     print(f"\n{args.one_by_one} streams one after another: events with choices and tokens per")
-    print("request, median gaps after the first event and between later ones (ms)")
-    print("kind          events  tokens  first gap ms  later gap ms")
+    print("request, role chunks (no text) per request, median gaps after the first event and")
+    print("between later ones (ms)")
+    print("kind          events  tokens  roles  first gap ms  later gap ms")
     print("\n".join(shapes))
 
 

@@ -26,10 +26,12 @@ def _run(script: str, env: dict[str, str], *args: str) -> subprocess.CompletedPr
 
 
 def test_real_vllm_chat_prints_both_kinds_and_stops_vllm():
-    """Both kinds cost API-server CPU; real vLLM's chat stream carries one event with
-    ``choices`` more than its tokens (the role chunk), arriving with the first token's, which a
-    completion stream does not: what ``fidelity_points.as_chat_stream`` adds to simulated
-    requests of the runs measured through the chat endpoint."""
+    """Both kinds cost API-server CPU; real vLLM's chat stream opens with an event with
+    ``choices`` that carries no token, the role chunk, which a completion stream does not: what
+    ``fidelity_points.as_chat_stream`` adds to simulated requests of the runs measured through
+    the chat endpoint. Only the streams' structure is checked: the gaps the benchmark prints are
+    sub-millisecond wall-clock readings (how close the role chunk comes to the first token's is
+    in its printed table, not a test)."""
     env = marked_env()
     result = _run("real_vllm_chat.py", env, *ARGS)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -42,10 +44,12 @@ def test_real_vllm_chat_prints_both_kinds_and_stops_vllm():
         for line in streams.splitlines()
         if line.startswith(("completions", "chat"))
     }
-    events, tokens, first_ms, later_ms = shapes["completions"]
-    assert events == tokens == 4 and first_ms > 0.5 * later_ms, result.stdout
-    events, tokens, first_ms, later_ms = shapes["chat"]
-    assert events == tokens + 1 == 5 and first_ms < 0.25 * later_ms, result.stdout
+    events, tokens, roles, _first_ms, _later_ms = shapes["completions"]
+    assert tokens == 4 and roles == 0 and 1 <= events <= tokens, result.stdout
+    events, tokens, roles, _first_ms, _later_ms = shapes["chat"]
+    # A loaded API server may hand two tokens over in one chunk: at most one event per token,
+    # besides the role chunk every chat stream opens with.
+    assert tokens == 4 and roles == 1 and 2 <= events <= tokens + 1, result.stdout
     assert marked_processes(env[MARK]) == []
 
 
