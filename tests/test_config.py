@@ -267,3 +267,32 @@ def test_studies_differing_only_in_concurrency_keep_both_cells(small_config):
     assert len(cfg.all_cells()) == 4 + 4 + 4
     capped = {c.path for c in cfg.studies["capped"].cells}
     assert not capped & {c.path for c in cfg.studies["sizes"].cells}
+
+
+def test_a_study_may_name_its_question(small_config, default_config):
+    small_config["studies"]["sizes"]["question"] = "input_len"
+    assert config.load(small_config).studies["sizes"].question == "input_len"
+    assert config.load(small_config).studies["disagg"].question is None
+    assert config.load(default_config).studies["command-r-input"].question == "input_len"
+
+
+@pytest.mark.parametrize(
+    ("question", "message"),
+    [
+        (
+            "modes",
+            "config error at studies.sizes.question: 'modes' compares the study's modes, but it "
+            "lists one (single): list two or more, or drop question",
+        ),
+        (
+            "speed",
+            "config error at studies.sizes.question: 'speed' is not one of "
+            "['modes', 'models', 'input_len']",
+        ),
+    ],
+)
+def test_a_question_the_study_cannot_answer_is_one_clear_error(small_config, question, message):
+    small_config["studies"]["sizes"]["question"] = question
+    with pytest.raises(ConfigError) as error:
+        config.load(small_config)
+    assert str(error.value) == message

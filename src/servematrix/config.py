@@ -179,7 +179,23 @@ def _study(
         input_lens=tuple(data["input_len"]),
         x=data["x"],
         cells=tuple(cells),
+        question=_question(base, data),
     )
+
+
+def _question(base: str, data: Mapping[str, Any]) -> str | None:
+    """The study's named question, which needs two or more of what it compares."""
+    question = data.get("question")
+    if question is None:
+        return None
+    compared = data[question]  # the question is named after the study key it compares
+    if len(compared) < 2:
+        raise ConfigError(
+            f"{base}.question",
+            f"{question!r} compares the study's {question}, but it lists one ({compared[0]}): "
+            f"list two or more, or drop question",
+        )
+    return question
 
 
 def _workload(

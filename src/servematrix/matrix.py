@@ -216,6 +216,9 @@ class Study:
     input_lens: tuple[int, ...]
     x: str
     cells: tuple[Cell, ...]
+    question: str | None = None
+    """What the study compares (``modes``, ``models``, ``input_len``) when the config names it;
+    otherwise the findings derive it from what varies (``findings.recommend.study_question``)."""
 
 
 @dataclass(frozen=True)
