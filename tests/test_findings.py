@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import re
 
 import polars as pl
 import pytest
 
 from servematrix.findings import Context, Findings, study_findings, to_html, to_markdown
+from servematrix.findings.recommend import ANSWER_WORDS, answer_words, fmt_rate, study_question
 
 
 def cell(
@@ -515,35 +517,35 @@ def test_the_recommendation_comes_first_with_its_numbers() -> None:
     rows = [r | {"mean_e2el_ms": r["mean_ttft_ms"] + 5 * r["mean_tpot_ms"]} for r in rows]
     context = Context("P99 TTFT ≤ 2000 ms", "Simulated, not measured.")
     result = study_findings(pl.DataFrame(rows), "Test study", "qps", capacity, context)
-    assert titles(result)[0] == "Recommendation"
+    assert titles(result)[:2] == ["Recommendation", "Capacity at the SLO"]
     answer = result.sections[0]
-    assert answer.sentences[0] == (
-        "At the SLO (P99 TTFT ≤ 2000 ms), run chunked: 10.5 req/s per GPU (21 req/s on 2 "
-        "GPU(s), 63 output tokens/s per GPU, $8.82 per million output tokens)."
-    )
-    assert answer.sentences[1].startswith(
-        "Per GPU it carries 20% more than the runner-up nondisagg (8.75 req/s per GPU; "
-        "[10.5, 10.7] vs [8.75, 8.93] req/s per GPU; one seed"
-    )
-    assert answer.sentences[2] == (
-        "mooncake-rdma carries the least (0.85 req/s per GPU): above 1.7 req/s its attainment "
-        "breaks first (P99 TPOT is the first bound to break for 2 of 3 configurations)."
-    )
+    assert answer.sentences[:3] == [
+        "The question: the best mode, at the SLO (P99 TTFT ≤ 2000 ms).",
+        "Run chunked: 10.5 req/s per GPU (21 req/s on 2 GPUs, 63 output tokens/s per GPU, "
+        "$8.82 per million output tokens), 20% more than nondisagg (8.75).",
+        "mooncake-rdma carries the least (0.85 req/s per GPU; above 1.7 req/s its attainment "
+        "breaks first).",
+    ]
     assert answer.sentences[3] == (
-        "The ranking flips by load: the lowest mean E2E latency is nondisagg at QPS 4 (350.0 ms)."
+        "By mean E2E latency at the study's loads the winner changes: nondisagg at QPS 4 "
+        "(350.0 ms; chunked 425.0 ms)."
     )
+    assert answer.sentences[4] == "P99 TPOT is the first bound to break for 2 of 3 configurations."
     assert answer.sentences[-1] == "Simulated, not measured."
-    assert [r[1] for r in answer.tables[0].rows] == ["chunked", "nondisagg", "mooncake-rdma"]
+    assert not answer.tables  # the detail is below the answer
+    detail = result.sections[1]
+    assert [r[1] for r in detail.tables[0].rows] == ["chunked", "nondisagg", "mooncake-rdma"]
+    assert detail.tables[0].rows[0][4:6] == ["10.5", "[10.5, 10.7]"]
     same = pl.DataFrame(
         [capacity_row("a", "single", 10.0, capacity_hi_rps=12.0), capacity_row("b", "single", 11.0)]
     )
     tied = study_findings(
         pl.DataFrame([cell(n, "single", 2, 100.0) for n in "ab"]), "t", "qps", same, context
     )
-    assert "are the same within noise" in tied.sections[0].sentences[1]
+    assert "the same within noise as a ([5.5, 5.61] vs [5, 6]" in tied.sections[0].sentences[1]
 
 
-def test_other_input_lengths_get_one_sentence_each() -> None:
+def test_other_input_lengths_get_a_ranking_each() -> None:
     capacity = pl.DataFrame(
         [
             capacity_row("small", "single", 7.0, gpus=1),
@@ -556,9 +558,189 @@ def test_other_input_lengths_get_one_sentence_each() -> None:
         cell(m, "single", n, 100.0, x="input_len") for m in ("small", "big") for n in (1024, 4096)
     ]
     context = Context("P99 TTFT ≤ 2000 ms", "Caveat.")
-    answer = study_findings(pl.DataFrame(rows), "t", "input_len", capacity, context).sections[0]
-    assert answer.sentences[1].startswith("Per GPU it carries 14.0× the capacity of the runner-up")
-    assert answer.sentences[3] == (
-        "At input 4096 tokens: small, 0.5 req/s per GPU, the same within noise as big "
-        "([0.45, 0.6])."
+    result = study_findings(pl.DataFrame(rows), "t", "input_len", capacity, context)
+    answer = result.sections[0].sentences
+    assert (
+        answer[0] == "The question: the best model at each input, at the SLO (P99 TTFT ≤ 2000 ms)."
     )
+    assert answer[1].startswith("For input 1024 tokens, run small: 7 req/s per GPU")
+    assert answer[1].endswith("14.0× the capacity of big (0.5).")
+    assert answer[2].startswith("For input 4096 tokens, run small: 0.5 req/s per GPU")
+    assert "the same within noise as big ([0.5, 0.51] vs [0.45, 0.6]" in answer[2]
+    # small wins at 1024 and ties big at 4096: the same winner, no flip claimed
+    assert answer[3] == "small is the best model for every input length."
+    assert [t.title for t in result.sections[1].tables] == [
+        "input 1024 tokens",
+        "input 4096 tokens",
+    ]
+
+
+MODES_BY_MODEL = [
+    capacity_row("Qwen2.5-72B", "chunked", 2.8, gpus=8),
+    capacity_row("Qwen2.5-72B", "nondisagg", 1.9, gpus=8),
+    capacity_row("Qwen2.5-72B", "mooncake-tcp", 0.2, gpus=8),
+    capacity_row("Qwen2.5-7B", "nondisagg", 21.0),
+    capacity_row("Qwen2.5-7B", "chunked", 17.5),
+    capacity_row("Qwen2.5-7B", "mooncake-tcp", 1.6),
+]
+
+
+def modes_summary() -> pl.DataFrame:
+    return pl.DataFrame(
+        [cell(r["model"], r["mode"], q, 100.0) for r in MODES_BY_MODEL for q in (2, 4)]
+    )
+
+
+def test_a_modes_study_recommends_per_model_never_across_models() -> None:
+    context = Context("P99 TTFT ≤ 2000 ms", "Caveat.")
+    result = study_findings(modes_summary(), "t", "qps", pl.DataFrame(MODES_BY_MODEL), context)
+    answer = result.sections[0].sentences
+    assert answer[0].startswith("The question: the best mode for each model, at the SLO")
+    assert answer[1].startswith("For Qwen2.5-72B, run chunked: 0.35 req/s per GPU (2.8 req/s on 8")
+    assert answer[1].endswith("47% more than nondisagg (0.237).")
+    assert answer[2].startswith("For Qwen2.5-7B, run nondisagg: 10.5 req/s per GPU")
+    assert answer[2].endswith("20% more than chunked (8.75).")
+    assert (
+        "The best mode is not the same for every model: chunked for Qwen2.5-72B; nondisagg for "
+        "Qwen2.5-7B." in answer
+    )
+    # One ranking table per model, each of its own modes only.
+    tables = result.sections[1].tables
+    assert [t.title for t in tables] == ["Qwen2.5-72B", "Qwen2.5-7B"]
+    assert [[r[1] for r in t.rows] for t in tables] == [
+        ["chunked", "nondisagg", "mooncake-tcp"],
+        ["nondisagg", "chunked", "mooncake-tcp"],
+    ]
+
+
+def test_no_flip_is_claimed_when_the_winner_is_the_same() -> None:
+    same_winner = [
+        r | {"capacity_rps": 30.0, "capacity_lo_rps": 30.0, "capacity_hi_rps": 30.6}
+        if (r["model"], r["mode"]) == ("Qwen2.5-7B", "chunked")
+        else r
+        for r in MODES_BY_MODEL
+    ]
+    capacity = pl.DataFrame(same_winner).with_columns(
+        (pl.col("capacity_rps") / pl.col("gpus")).alias("capacity_per_gpu")
+    )
+    context = Context("P99 TTFT ≤ 2000 ms", "Caveat.")
+    summary = modes_summary().with_columns(mean_e2el_ms=pl.lit(150.0))
+    answer = study_findings(summary, "t", "qps", capacity, context).sections[0].sentences
+    assert "chunked is the best mode for every model." in answer
+    assert not any("not the same" in s or "changes" in s for s in answer), answer
+
+
+def test_a_latency_lead_of_an_overloaded_point_is_not_a_flip() -> None:
+    capacity = pl.DataFrame(
+        [capacity_row("m", "chunked", 21.0), capacity_row("m", "nondisagg", 9.0)]
+    )
+    rows = [
+        cell("m", "chunked", 8, 100.0, mean_e2el_ms=900.0, steady=True),
+        cell("m", "nondisagg", 8, 100.0, mean_e2el_ms=500.0, steady=False),
+        cell("m", "chunked", 2, 100.0, mean_e2el_ms=400.0, steady=True),
+        cell("m", "nondisagg", 2, 100.0, mean_e2el_ms=300.0, steady=True),
+    ]
+    context = Context("P99 TTFT ≤ 2000 ms", "Caveat.")
+    result = study_findings(pl.DataFrame(rows), "t", "qps", capacity, context)
+    flip = [s for s in result.sections[0].sentences if "winner changes" in s]
+    assert flip == [
+        "By mean E2E latency at the study's loads the winner changes: nondisagg at QPS 2 "
+        "(300.0 ms; chunked 400.0 ms); 1 overloaded point(s) are left out."
+    ]
+    assert section(result, "Overloaded points") == [
+        "1 of 4 points are overloaded: queue growing, latency depends on run length; the latency "
+        "comparisons below leave them out: nondisagg at QPS 8."
+    ]
+    # The per-point latency table compares steady points only.
+    rows_by_point = {r[0]: r for r in winner_rows(result)}
+    assert "QPS 8" not in rows_by_point and "nondisagg" in rows_by_point["QPS 2"][1]
+
+
+def test_without_the_steady_column_no_point_is_overloaded() -> None:
+    assert "Overloaded points" not in titles(findings(PLAIN_VS_CHUNKED))
+
+
+def test_a_config_without_slo_says_so_and_shows_the_line_to_add() -> None:
+    context = Context("no SLO", "Caveat.")
+    result = study_findings(pl.DataFrame(PLAIN_VS_CHUNKED), "t", "qps", None, context)
+    answer = section(result, "Recommendation")
+    assert answer[0].startswith("No SLO is set, so there is no recommendation")
+    assert answer[1].endswith(
+        "slo: {ttft: {statistic: p99, max_ms: 2000}, tpot: {statistic: p99, max_ms: 100}, "
+        "attainment: 0.9}"
+    )
+    assert "No SLO is set" in to_markdown(result)
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (1e4, "10,000"),
+        (12345.0, "12,300"),
+        (1e9, "1,000,000,000"),
+        (351.4, "351"),
+        (0.02794, "0.0279"),
+        (0.0000123, "0.0000123"),
+        (21.0, "21"),
+        (10.5, "10.5"),
+        (9.996, "10"),
+        (0.0, "0"),
+    ],
+)
+def test_rates_have_three_significant_figures_and_no_exponent(value: float, text: str) -> None:
+    assert fmt_rate(value) == text
+
+
+def test_no_number_in_the_findings_is_in_scientific_notation() -> None:
+    capacity = pl.DataFrame(
+        [
+            capacity_row("tiny", "single", 1e-5, gpus=1),
+            capacity_row("huge", "single", 1e9, gpus=1, cost_per_mtok_usd=1e-9),
+        ]
+    )
+    rows = [cell(m, "single", q, 100.0) for m in ("tiny", "huge") for q in (1e9, 0.00001)]
+    context = Context("P99 TTFT ≤ 2000 ms", "Caveat.")
+    text = to_markdown(study_findings(pl.DataFrame(rows), "t", "qps", capacity, context))
+    assert "QPS 1000000000" in text and "1,000,000,000 req/s" in text
+    assert not re.search(r"\d[eE][+-]?\d", text), re.findall(r".{30}\d[eE][+-]?\d.{10}", text)
+
+
+def test_the_answer_stays_within_its_word_budget() -> None:
+    """Twelve models of four modes: the per-model sentences that do not fit give way to a
+    pointer to the tables below."""
+    models = [f"model-{i}-with-a-rather-long-name" for i in range(12)]
+    capacity = pl.DataFrame(
+        [
+            capacity_row(m, mode, rate * (i + 1))
+            for i, m in enumerate(models)
+            for mode, rate in (("chunked", 3.0), ("nondisagg", 2.0), ("mooncake-tcp", 1.0))
+        ]
+    )
+    rows = [
+        cell(m, mode, 2, 100.0) for m in models for mode in ("chunked", "nondisagg", "mooncake-tcp")
+    ]
+    context = Context("P99 TTFT ≤ 2000 ms, P99 TPOT ≤ 100 ms", "Caveat: " + "word " * 40)
+    answer = study_findings(pl.DataFrame(rows), "t", "qps", capacity, context).sections[0]
+    assert answer_words(answer.sentences) <= ANSWER_WORDS
+    assert any(s.startswith("The other ") and "tables below" in s for s in answer.sentences)
+    assert answer.sentences[-1].startswith("Caveat")
+
+
+@pytest.mark.parametrize(
+    ("varies", "question"),
+    [
+        (("mode", "model"), "modes"),
+        (("model", "input_len"), "models"),
+        (("input_len",), "input_len"),
+    ],
+)
+def test_the_question_is_derived_from_what_varies(varies, question) -> None:
+    table = pl.DataFrame(
+        {
+            "model": ["a", "b"] if "model" in varies else ["a", "a"],
+            "mode": ["chunked", "single"] if "mode" in varies else ["single"] * 2,
+            "input_len": [1, 2] if "input_len" in varies else [1, 1],
+        }
+    )
+    assert study_question(table) == question
+    assert study_question(table, "input_len") == "input_len"

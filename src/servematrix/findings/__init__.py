@@ -1,11 +1,14 @@
 """Study findings: the answer first (a recommendation at the configured SLO), then the
 comparisons the published studies drew, as tables and sentences with numbers.
 
-Nothing here knows a study by name. Which comparisons are made depends only on what the
-summary contains: several modes are compared within each model (plain vs chunked prefill, RDMA
-vs TCP, aggregated vs disaggregated when those modes are present); several models of one mode
-are ranked against each other. Every number is computed from the summary and the capacity
-table. Modules: ``common`` (metrics, groups, formats), ``recommend`` (the answer), ``compare``
+Nothing here knows a study by name. The recommendation answers the study's question (the
+config's, or what varies: ``recommend.study_question``); which comparisons follow depends only
+on what the summary contains: several modes are compared within each model (plain vs chunked
+prefill, RDMA vs TCP, aggregated vs disaggregated when those modes are present); several models
+of one mode are ranked against each other. Latencies are compared between steady points only:
+a point the summary marks overloaded (``steady`` False, its queue growing) is named as such,
+never compared as if steady. Every number is computed from the summary and the capacity table.
+Modules: ``common`` (metrics, groups, formats), ``recommend`` (the answer), ``compare``
 (configurations against each other), ``health`` (limits and the harness), ``reuse`` (prefix
 reuse against what a trace allows), ``render``.
 """
@@ -30,6 +33,7 @@ from servematrix.findings.common import (
     Findings,
     Section,
     groups,
+    overloaded,
 )
 from servematrix.findings.compare import (
     disaggregation_section,
@@ -40,10 +44,18 @@ from servematrix.findings.compare import (
 from servematrix.findings.health import (
     health_section,
     memory_section,
+    overloaded_section,
     preemption_section,
     saturation_section,
 )
-from servematrix.findings.recommend import Context, caveat, recommendation_section
+from servematrix.findings.recommend import (
+    Context,
+    capacity_section,
+    caveat,
+    no_slo_section,
+    recommendation_section,
+    study_question,
+)
 from servematrix.findings.render import recommendation_json, to_html, to_markdown
 from servematrix.findings.reuse import reuse_section
 from servematrix.matrix import PREDICTING_BACKEND
@@ -88,33 +100,43 @@ def study_findings(
     capacity: pl.DataFrame | None = None,
     context: Context | None = None,
 ) -> Findings:
-    """Turn one study's summary (and its capacity table, with the SLO and caveat of
-    ``context``) into sections: the recommendation first, then tables and sentences."""
+    """Turn one study's summary (and its capacity table, with the SLO, caveat and question of
+    ``context``) into sections: the recommendation first, then tables and sentences. With a
+    context but no capacity table, the config sets no SLO: the recommendation says so."""
     _check(summary, x)
     if summary.is_empty():
         return Findings(title, x, [Section("No data", ["The study summary has no cells."])])
     summary = _clean(summary)
-    gs = groups(summary, x)
+    steady = groups(summary.filter(~overloaded(summary)), x)  # latencies: steady points only
     series = [c for c in ("model", "mode") if summary[c].n_unique() > 1] or ["model"]
-    answer = None
-    if capacity is not None and context is not None:
+    answer = detail = None
+    if context is not None and capacity is None:
+        answer = no_slo_section()
+    elif context is not None:
         answer = recommendation_section(summary, capacity, x, context)
+        detail = capacity_section(capacity, study_question(capacity, context.question))
     sections = [
         answer,
-        winner_section(gs),
+        detail,
+        overloaded_section(summary, x, series),
+        winner_section(steady),
         pair_section(
-            "Plain vs chunked prefill", "nondisagg", "chunked", [MEAN_TTFT, P99_TPOT, P99_ITL], gs
+            "Plain vs chunked prefill",
+            "nondisagg",
+            "chunked",
+            [MEAN_TTFT, P99_TPOT, P99_ITL],
+            steady,
         ),
         pair_section(
             "Mooncake RDMA vs TCP",
             "mooncake-rdma",
             "mooncake-tcp",
             [MEAN_TTFT, P99_TTFT, MEAN_TPOT],
-            gs,
+            steady,
         ),
-        disaggregation_section(gs),
-        models_section(gs),
-        memory_section(gs),
+        disaggregation_section(steady),
+        models_section(steady),
+        memory_section(groups(summary, x)),
         saturation_section(summary, x, series),
         preemption_section(summary, x, series),
         reuse_section(summary, x, series),
@@ -131,8 +153,8 @@ def write_findings(
 ) -> None:
     """One findings job (rules/report.smk): the study's findings as Markdown (``outputs["md"]``)
     and HTML (``"html"``), its Recommendation as JSON for the front page (``"json"``).
-    ``study`` holds its title, x, slo (described), gpu and backend; ``capacity_paths`` its
-    capacity table, when there is an SLO to search against."""
+    ``study`` holds its title, x, slo (described), gpu, backend and question (None: derived);
+    ``capacity_paths`` its capacity table, when there is an SLO to search against."""
     summary = pl.read_parquet(summary_path)
     capacity = pl.read_parquet(capacity_paths[0]) if capacity_paths else None
     step_times = []
@@ -142,7 +164,9 @@ def write_findings(
             step_times = steptimes.step_time_sentences(steptimes.group_setups(cells))
         except trace.TraceError:  # a trace from before step-time sources were recorded
             step_times = []
-    context = Context(study["slo"], caveat(study["backend"], study["gpu"], step_times))
+    context = Context(
+        study["slo"], caveat(study["backend"], study["gpu"], step_times), study.get("question")
+    )
     findings = study_findings(summary, study["title"], study["x"], capacity, context)
     write_text(outputs["md"], to_markdown(findings))
     write_text(outputs["html"], to_html(findings))

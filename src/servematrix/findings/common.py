@@ -4,6 +4,7 @@ summary carries 95 % intervals, see ``servematrix.intervals``)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import polars as pl
@@ -65,10 +66,12 @@ Band = dict[float, tuple[float, float]]
 
 @dataclass(frozen=True)
 class Table:
-    """Rows of text under a header, rendered as a Markdown or HTML table."""
+    """Rows of text under a header (and a title, when a section has several), rendered as a
+    Markdown or HTML table."""
 
     header: list[str]
     rows: list[list[str]]
+    title: str = ""
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,40 @@ class Group:
         return f" for {self.label}" if self.label else ""
 
 
+def fmt_value(value: float) -> str:
+    """A configured value as written, never in scientific notation: 1024, 0.5, 1000000000."""
+    if not math.isfinite(value) or value == int(value):
+        return f"{value:.0f}"
+    return f"{value:f}".rstrip("0")
+
+
+def fmt_sig(value: float, digits: int = 3) -> str:
+    """``digits`` significant figures with thousands separators, never in scientific notation
+    (``f"{v:,.3g}"`` prints 1e+04): 10,000; 351; 0.0279; 10.5."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:.0f}"
+    decimals = digits - 1 - math.floor(math.log10(abs(value)))
+    rounded = round(value, decimals)
+    text = f"{rounded:,.{max(decimals, 0)}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 def fmt_x(x: str, value: float) -> str:
-    return f"QPS {value:g}" if x == "qps" else f"input {value:g} tokens"
+    return f"QPS {fmt_value(value)}" if x == "qps" else f"input {fmt_value(value)} tokens"
+
+
+CAPACITY_TITLE = "Capacity at the SLO"
+"""The findings section below the Recommendation: its ranking tables, the front page's too."""
+
+OVERLOADED_NOTE = "overloaded: queue growing, latency depends on run length"
+
+
+def overloaded(summary: pl.DataFrame) -> pl.Series:
+    """Per row, whether the point was overloaded (the summary's ``steady`` is False: its queue
+    grew, so its latencies depend on how long the run was); all False without the column."""
+    if "steady" not in summary.columns:
+        return pl.Series("overloaded", [False] * summary.height, dtype=pl.Boolean)
+    return (summary["steady"] == False).fill_null(False).alias("overloaded")  # noqa: E712
 
 
 def fmt_ms(value: float) -> str:

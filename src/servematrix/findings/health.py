@@ -12,6 +12,7 @@ from servematrix.aggregate import SLOWEST_FRACTION
 from servematrix.findings.common import (
     KV_POOL_MIB,
     MEAN_TTFT,
+    OVERLOADED_NOTE,
     P99_TTFT,
     PEAK_GPU_MEMORY,
     PEAK_KV_USAGE,
@@ -24,6 +25,7 @@ from servematrix.findings.common import (
     fmt_ms,
     fmt_x,
     label_of,
+    overloaded,
 )
 
 SATURATION_JUMP = 2.0
@@ -70,6 +72,27 @@ def saturation_section(summary: pl.DataFrame, x: str, series: list[str]) -> Sect
             "requests."
         ]
     return Section("Saturation", sentences)
+
+
+def overloaded_section(summary: pl.DataFrame, x: str, series: list[str]) -> Section | None:
+    """The points that never reached steady state (the summary's ``steady``), which the latency
+    comparisons leave out; none when the summary does not say."""
+    if "steady" not in summary.columns:
+        return None
+    marked = summary.filter(overloaded(summary))
+    if marked.is_empty():
+        return Section("Overloaded points", ["Every point reached steady state."])
+    points = [
+        f"{' / '.join(str(k) for k in key)} at {', '.join(fmt_x(x, v) for v in part[x].sort())}"
+        for key, part in marked.group_by(series, maintain_order=True)
+    ]
+    return Section(
+        "Overloaded points",
+        [
+            f"{marked.height} of {summary.height} points are {OVERLOADED_NOTE}; the latency "
+            f"comparisons below leave them out: {'; '.join(points)}."
+        ],
+    )
 
 
 def preemption_section(summary: pl.DataFrame, x: str, series: list[str]) -> Section | None:

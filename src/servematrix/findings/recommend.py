@@ -1,10 +1,18 @@
-"""The answer first: which configuration to run at the configured SLO, and how sure.
+"""The answer first: what to run at the configured SLO, answering the study's own question.
 
-From the study's capacity table (``servematrix.capacity_run.study_table``): the configuration
-with the highest capacity per GPU at each input length, its margin over the runner-up with
-both intervals (the same within noise when they overlap), where the ranking flips (by input
-length, or by latency at the study's own loads), what breaks first for the weakest
-configuration, the winner's memory headroom, and the caveat that applies to the numbers.
+A study compares something, its *question*: the modes of each model (``modes``: one
+recommendation per model, never a ranking that mixes a 7B and a 72B), the models at each input
+length (``models``), or how each configuration's capacity falls with input length
+(``input_len``). The config may name it (``studies.<name>.question``); otherwise it is what
+varies: modes, else models, else input lengths.
+
+From the study's capacity table (``servematrix.capacity_run.study_table``), per comparison: the
+configuration with the highest capacity per GPU and its margin over the runner-up (the same
+within noise when their intervals overlap); whether the winner changes between comparisons or
+with the study's loads (a flip is claimed only when no winner is shared); what breaks first;
+the winners' memory headroom; the caveat. The answer stays within ANSWER_WORDS words (the
+sentences that matter least go first when it would not); the ranking tables are the detail
+below it (``capacity_section``).
 """
 
 from __future__ import annotations
@@ -14,204 +22,389 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from servematrix.findings.common import Section, Table, fmt_mib, fmt_ms, fmt_x
+from servematrix.findings.common import (
+    CAPACITY_TITLE,
+    Section,
+    Table,
+    fmt_mib,
+    fmt_ms,
+    fmt_sig,
+    fmt_x,
+    overloaded,
+    same,
+)
+
+QUESTIONS = ("modes", "models", "input_len")
+ANSWER_WORDS = 250
+"""At most this many words of sentences: the answer fits one screen."""
+SLO_EXAMPLE = (
+    "slo: {ttft: {statistic: p99, max_ms: 2000}, tpot: {statistic: p99, max_ms: 100}, "
+    "attainment: 0.9}"
+)
+COMPARED = {"modes": "mode", "models": "model", "input_len": "model"}
+"""The column each question ranks; the others (and the input length) split the rankings."""
 
 
 @dataclass(frozen=True)
 class Context:
-    """What the numbers answer (``slo.Slo.describe``) and how far to trust them."""
+    """What the numbers answer (``slo.Slo.describe``), how far to trust them, and the study's
+    question when the config names it."""
 
     slo: str
     caveat: str
+    question: str | None = None
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Configurations compared with each other at the SLO (``rows``, best first, each with the
+    ``name`` of its value in ``column``, what the question compares), within ``label`` (a model,
+    an input length, or nothing when the study is one comparison)."""
+
+    label: str
+    column: str
+    rows: list[dict]
+
+
+def study_question(table: pl.DataFrame, configured: str | None = None) -> str:
+    """The question the config names, or what varies in ``table`` (a summary or capacity
+    table): modes, else models, else input lengths."""
+    if configured is not None:
+        if configured not in QUESTIONS:
+            raise ValueError(f"question must be one of {', '.join(QUESTIONS)}, got {configured!r}")
+        return configured
+    for question, column in (("modes", "mode"), ("models", "model"), ("input_len", "input_len")):
+        if table[column].n_unique() > 1:
+            return question
+    return "models"
 
 
 def config_names(capacity: pl.DataFrame) -> list[str]:
     """A name per deployment row: the model and/or mode, whichever the study varies."""
-    varied = [c for c in ("model", "mode") if capacity[c].n_unique() > 1] or ["model"]
+    varied = _varied(capacity)
     return [" / ".join(str(row[c]) for c in varied) for row in capacity.iter_rows(named=True)]
+
+
+def fmt_rate(value: float) -> str:
+    """Three significant figures, never in scientific notation (10,000; 351; 0.0279)."""
+    return fmt_sig(value)
 
 
 def _per_gpu(row: dict, end: str = "") -> float:
     return row[f"capacity{end}_rps"] / row["gpus"]
 
 
-def fmt_rate(value: float) -> str:
-    return f"{value:,.3g}"
-
-
 def _interval(row: dict) -> str:
     return f"[{fmt_rate(_per_gpu(row, '_lo'))}, {fmt_rate(_per_gpu(row, '_hi'))}]"
 
 
-def _interval_kind(rows: list[dict]) -> str:
-    repeats = rows[0]["repeats"]
-    if repeats > 1:
-        return f"95 % intervals over {repeats} repeats"
-    return "one seed: the intervals are the search's brackets, not noise estimates"
+def _tied(a: dict, b: dict) -> bool:
+    """Capacities whose intervals overlap: the same within noise."""
+    return _per_gpu(a, "_lo") <= _per_gpu(b, "_hi") and _per_gpu(b, "_lo") <= _per_gpu(a, "_hi")
 
 
 def fmt_margin(best: float, second: float) -> str:
-    """``+20% more`` below twice the runner-up, ``8.6×`` from there."""
+    """``20% more than`` below twice the runner-up, ``8.6× the capacity of`` from there."""
     if not second:
         return "more than"
     ratio = best / second
     return f"{ratio - 1:.0%} more than" if ratio < 2 else f"{ratio:.1f}× the capacity of"
 
 
-def _winner_sentences(rows: list[dict], where: str, slo: str) -> list[str]:
-    best = rows[0]
+def _spell(column: str, value: object) -> str:
+    return f"input {value} tokens" if column == "input_len" else str(value)
+
+
+def rankings(capacity: pl.DataFrame, question: str) -> list[Ranking]:
+    """The comparisons the question makes, each best first: per model (``modes``), per input
+    length (``models``, ``input_len``), never across what the question holds apart."""
+    compared = COMPARED[question]
+    keys = [
+        c for c in ("model", "mode", "input_len") if c != compared and capacity[c].n_unique() > 1
+    ]
+    named = capacity.with_columns(pl.col(compared).cast(pl.String).alias("name"))
+    if not keys:
+        return [Ranking("", compared, named.sort("capacity_per_gpu", descending=True).to_dicts())]
+    return [
+        Ranking(
+            ", ".join(_spell(c, v) for c, v in zip(keys, key, strict=True)),
+            compared,
+            part.sort("capacity_per_gpu", descending=True).to_dicts(),
+        )
+        for key, part in named.sort("input_len").group_by(keys, maintain_order=True)
+    ]
+
+
+def _asked(capacity: pl.DataFrame, question: str) -> str:
+    if question == "input_len":
+        return "how capacity falls with input length"
+    several = {"modes": ("model", " for each model"), "models": ("input_len", " at each input")}
+    column, scope = several[question]
+    return f"the best {question[:-1]}{scope if capacity[column].n_unique() > 1 else ''}"
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
+def _winner_sentence(ranking: Ranking) -> str:
+    best = ranking.rows[0]
     cost = best["cost_per_mtok_usd"]
     priced = f", ${cost:,.2f} per million output tokens" if cost is not None else ""
-    sentences = [
-        f"At the SLO ({slo}){where}, run {best['name']}: {fmt_rate(_per_gpu(best))} req/s per "
-        f"GPU ({fmt_rate(best['capacity_rps'])} req/s on {best['gpus']} GPU(s), "
-        f"{fmt_rate(best['output_tokens_per_s_per_gpu'])} output tokens/s per GPU{priced})."
-    ]
-    if len(rows) < 2:
-        return sentences
-    second = rows[1]
-    bands = f"{_interval(best)} vs {_interval(second)} req/s per GPU; {_interval_kind(rows)}"
-    if _per_gpu(best, "_lo") <= _per_gpu(second, "_hi"):
-        sentences.append(
-            f"{best['name']} and the runner-up {second['name']} are the same within noise "
-            f"({bands})."
-        )
-    else:
-        sentences.append(
-            f"Per GPU it carries {fmt_margin(_per_gpu(best), _per_gpu(second))} the runner-up "
-            f"{second['name']} ({fmt_rate(_per_gpu(second))} req/s per GPU; {bands})."
-        )
-    return sentences
-
-
-def _short_winner(rows: list[dict]) -> str:
-    """Another input length's winner in one sentence."""
-    best = rows[0]
     text = (
-        f"At input {best['input_len']} tokens: {best['name']}, {fmt_rate(_per_gpu(best))} req/s "
-        "per GPU"
+        f"{'For ' + ranking.label + ', run' if ranking.label else 'Run'} {best['name']}: "
+        f"{fmt_rate(_per_gpu(best))} req/s per GPU ({fmt_rate(best['capacity_rps'])} req/s on "
+        f"{_gpus(best['gpus'])}, {fmt_rate(best['output_tokens_per_s_per_gpu'])} output "
+        f"tokens/s per GPU{priced})"
     )
-    if len(rows) > 1:
-        second = rows[1]
-        if _per_gpu(best, "_lo") <= _per_gpu(second, "_hi"):
-            text += f", the same within noise as {second['name']} ({_interval(second)})"
+    if len(ranking.rows) > 1:
+        second = ranking.rows[1]
+        if _tied(best, second):
+            text += (
+                f", the same within noise as {second['name']} ({_interval(best)} vs "
+                f"{_interval(second)} req/s per GPU)"
+            )
         else:
-            text += f", {fmt_margin(_per_gpu(best), _per_gpu(second))} {second['name']}"
+            text += (
+                f", {fmt_margin(_per_gpu(best), _per_gpu(second))} {second['name']} "
+                f"({fmt_rate(_per_gpu(second))})"
+            )
     return text + "."
 
 
-def _loser_sentence(rows: list[dict]) -> str | None:
-    worst = rows[-1]
-    if len(rows) < 2 or not worst["breaks_first"]:
+def _loser_sentence(ranking: Ranking) -> str | None:
+    """The weakest of three or more (of two, the runner-up sentence said it)."""
+    worst = ranking.rows[-1]
+    if len(ranking.rows) < 3 or not worst["breaks_first"]:
         return None
-    breaks = Counter(r["breaks_first"] for r in rows if r["breaks_first"])
-    common, count = breaks.most_common(1)[0]
     return (
-        f"{worst['name']} carries the least ({fmt_rate(_per_gpu(worst))} req/s per GPU): above "
-        f"{fmt_rate(worst['capacity_rps'])} req/s its {worst['breaks_first']} breaks first "
-        f"({common} is the first bound to break for {count} of {len(rows)} configurations)."
+        f"{worst['name']} carries the least{' for ' + ranking.label if ranking.label else ''} "
+        f"({fmt_rate(_per_gpu(worst))} req/s per GPU; above {fmt_rate(worst['capacity_rps'])} "
+        f"req/s its {worst['breaks_first']} breaks first)."
     )
 
 
-def _latency_flip(summary: pl.DataFrame, names: dict[tuple, str], winner: str, x: str) -> str:
-    """Where another configuration has the lowest mean E2E latency at the study's own loads."""
-    others: dict[str, list[str]] = {}
-    for (xv,), part in summary.sort(x).group_by([x], maintain_order=True):
-        part = (
-            part.filter(pl.col("mean_e2el_ms").is_not_null())
-            if "mean_e2el_ms" in part.columns
-            else part.head(0)
-        )
-        if part.height < 2:
+def _breaks_sentence(capacity: pl.DataFrame) -> str | None:
+    breaks = Counter(b for b in capacity["breaks_first"].to_list() if b)
+    if len(breaks) == 0 or capacity.height < 2:
+        return None
+    common, count = breaks.most_common(1)[0]
+    return f"{common} is the first bound to break for {count} of {capacity.height} configurations."
+
+
+def _top(ranking: Ranking) -> set[str]:
+    """The winner and every configuration the same within noise as it."""
+    return {r["name"] for r in ranking.rows if _tied(r, ranking.rows[0])}
+
+
+def agreement_sentence(ranks: list[Ranking], question: str) -> str | None:
+    """Whether the comparisons share a winner; a flip only when none is shared by all (a
+    winner tied within noise with another comparison's winner is no flip)."""
+    compared = [r for r in ranks if len(r.rows) > 1]
+    if len(compared) < 2:
+        return None
+    shared = set.intersection(*(_top(r) for r in compared))
+    what = "mode" if question == "modes" else "model"
+    where = "every model" if question == "modes" else "every input length"
+    if shared:
+        name = compared[0].rows[0]["name"]
+        name = name if name in shared else sorted(shared)[0]
+        return f"{name} is the best {what} for {where}."
+    winners = "; ".join(f"{r.rows[0]['name']} for {r.label}" for r in compared)
+    return f"The best {what} is not the same for {where}: {winners}."
+
+
+def _scaling_sentences(capacity: pl.DataFrame) -> list[str]:
+    """How each configuration's capacity falls with input length (question ``input_len``)."""
+    sentences = []
+    names = dict(zip(config_names(capacity), capacity.iter_rows(named=True), strict=True))
+    for name in dict.fromkeys(names):
+        row = names[name]
+        part = capacity.filter(
+            (pl.col("model") == row["model"]) & (pl.col("mode") == row["mode"])
+        ).sort("input_len")
+        points = part.to_dicts()
+        if len(points) < 2:
             continue
-        row = part.sort("mean_e2el_ms").row(0, named=True)
-        name = names.get((row["model"], row["mode"], row["input_len"]))
-        if name and name != winner:
-            others.setdefault(name, []).append(f"{fmt_x(x, xv)} ({fmt_ms(row['mean_e2el_ms'])})")
-    if not others:
-        return ""
-    listed = "; ".join(f"{name} at {', '.join(points)}" for name, points in others.items())
-    return f"The ranking flips by load: the lowest mean E2E latency is {listed}."
+        spelled = ", ".join(f"{fmt_rate(_per_gpu(p))} at {p['input_len']}" for p in points)
+        first, last = _per_gpu(points[0]), _per_gpu(points[-1])
+        fall = (
+            f"{first / last:.1f}× less at {points[-1]['input_len']}"
+            if last
+            else "none at the longest"
+        )
+        sentences.append(f"{name}: {spelled} input tokens, in req/s per GPU ({fall}).")
+    return sentences
 
 
-def _headroom(summary: pl.DataFrame, best: dict) -> str | None:
+def _latency_flip(summary: pl.DataFrame, ranking: Ranking, x: str) -> str | None:
+    """Where another configuration of the ranking has a lower mean E2E latency than its winner
+    at the study's own loads, beyond the sentences' precision and any interval, and is not tied
+    with the winner at the SLO; overloaded points (queue growing) are never compared as if they
+    were steady."""
+    if x != "qps" or len(ranking.rows) < 2 or "mean_e2el_ms" not in summary.columns:
+        return None
+    best, column = ranking.rows[0], ranking.column
+    held = [c for c in ("model", "mode", "input_len") if c != column]
+    part = summary.filter(pl.all_horizontal(pl.col(c) == best[c] for c in held))
+    part = part.filter(pl.col("mean_e2el_ms").is_not_null())
+    steady = part.filter(~overloaded(part))
+    top, flips = _top(ranking), []
+    for (xv,), points in steady.sort(x).group_by([x], maintain_order=True):
+        mine = points.filter(pl.col(column) == best["name"])
+        if mine.is_empty() or points.height < 2:
+            continue
+        low, own = points.sort("mean_e2el_ms").row(0, named=True), mine.row(0, named=True)
+        if str(low[column]) in top or same(low["mean_e2el_ms"], own["mean_e2el_ms"]):
+            continue
+        if _e2el_overlap(low, own):
+            continue
+        flips.append(
+            f"{low[column]} at {fmt_x(x, xv)} ({fmt_ms(low['mean_e2el_ms'])}; {best['name']} "
+            f"{fmt_ms(own['mean_e2el_ms'])})"
+        )
+    if not flips:
+        return None
+    scope = f" for {ranking.label}" if ranking.label else ""
+    skipped = part.height - steady.height
+    left_out = f"; {skipped} overloaded point(s) are left out" if skipped else ""
+    return (
+        f"By mean E2E latency at the study's loads the winner changes{scope}: "
+        f"{'; '.join(flips)}{left_out}."
+    )
+
+
+def _e2el_overlap(a: dict, b: dict) -> bool:
+    """Both points' mean E2E latency intervals (with repeats) overlap: the same within noise."""
+    lo, hi = "mean_e2el_ms_lo", "mean_e2el_ms_hi"
+    if any(row.get(c) is None for row in (a, b) for c in (lo, hi)):
+        return False
+    return a[lo] <= b[hi] and b[lo] <= a[hi]
+
+
+def _varied(capacity: pl.DataFrame) -> list[str]:
+    return [c for c in ("model", "mode") if capacity[c].n_unique() > 1] or ["model"]
+
+
+def _headroom(summary: pl.DataFrame, ranks: list[Ranking], varied: list[str]) -> str | None:
+    """The winners' peak KV-cache use and GPU memory at the study's loads (each winner once)."""
     if "peak_kv_cache_usage" not in summary.columns:
         return None
-    part = summary.filter(
-        (pl.col("model") == best["model"])
-        & (pl.col("mode") == best["mode"])
-        & (pl.col("input_len") == best["input_len"])
-    )
-    kv = part["peak_kv_cache_usage"].drop_nulls()
-    gpu = part["peak_gpu_memory_mib"].drop_nulls()
-    if kv.is_empty() or gpu.is_empty():
+    parts: dict[str, str] = {}
+    for ranking in ranks:
+        best = ranking.rows[0]
+        name = " / ".join(str(best[c]) for c in varied)
+        rows = summary.filter((pl.col("model") == best["model"]) & (pl.col("mode") == best["mode"]))
+        kv, gpu = rows["peak_kv_cache_usage"].drop_nulls(), rows["peak_gpu_memory_mib"].drop_nulls()
+        if name in parts or kv.is_empty() or gpu.is_empty():
+            continue
+        parts[name] = f"{name} fills at most {kv.max():.1%} of its KV cache ({fmt_mib(gpu.max())})"
+    if not parts:
         return None
-    return (
-        f"Memory headroom: {best['name']} fills at most {kv.max():.1%} of its KV cache at the "
-        f"study's loads, {fmt_mib(gpu.max())} on its busiest GPU."
-    )
+    return f"Memory headroom at the study's loads, busiest GPU: {'; '.join(parts.values())}."
 
 
-def _table(rows: list[dict]) -> Table:
-    header = ["rank", "configuration", "input", "capacity (req/s)", "per GPU", "interval per GPU"]
-    header += ["output tok/s per GPU", "breaks first above", "$ per M output tokens"]
-    return Table(
-        header,
-        [
-            [
-                str(i + 1),
-                r["name"],
-                str(r["input_len"]),
-                fmt_rate(r["capacity_rps"]),
-                fmt_rate(_per_gpu(r)),
-                _interval(r),
-                fmt_rate(r["output_tokens_per_s_per_gpu"]),
-                r["breaks_first"] or "none up to the search's limit",
-                "—" if r["cost_per_mtok_usd"] is None else f"{r['cost_per_mtok_usd']:,.2f}",
-            ]
-            for i, r in enumerate(rows)
-        ],
-    )
+def answer_words(sentences: list[str]) -> int:
+    """The length of an answer in words (what ANSWER_WORDS bounds)."""
+    return sum(len(sentence.split()) for sentence in sentences)
+
+
+ESSENTIAL, FLIP, BREAKS, LOSER, HEADROOM = range(5)
+"""Kinds of sentence: when the answer would exceed ANSWER_WORDS, HEADROOM goes first, then
+LOSER, BREAKS and FLIP; ESSENTIAL ones stay."""
+
+
+def _fit(lead: list[str], body: list[str], rest: list[tuple[int, str]]) -> list[str]:
+    """The sentences in order, within ANSWER_WORDS: the least important kinds of ``rest``
+    dropped first; if the per-comparison sentences (``body``) alone are too long, the last of
+    them give way to a pointer to the tables below."""
+
+    def whole(shown: int) -> list[str]:
+        more = len(body) - shown
+        note = [f"The other {more} comparison(s) are in the tables below."] if more else []
+        return lead + body[:shown] + note + [s for _, s in rest]
+
+    for level in (HEADROOM, LOSER, BREAKS, FLIP):
+        if answer_words(whole(len(body))) <= ANSWER_WORDS:
+            break
+        rest = [(p, s) for p, s in rest if p != level]
+    shown = len(body)
+    while shown > 1 and answer_words(whole(shown)) > ANSWER_WORDS:
+        shown -= 1
+    return whole(shown)
 
 
 def recommendation_section(
     summary: pl.DataFrame, capacity: pl.DataFrame, x: str, context: Context
 ) -> Section | None:
-    """The study's answer at its SLO, in a few sentences and one table."""
+    """The study's answer at its SLO, in sentences (the tables: ``capacity_section``)."""
     if capacity.is_empty():
         return None
-    table = capacity.with_columns(pl.Series("name", config_names(capacity)))
-    names = {
-        (r["model"], r["mode"], r["input_len"]): r["name"] for r in table.iter_rows(named=True)
-    }
-    lengths = sorted(table["input_len"].unique().to_list())
-    sentences, winners, all_rows = [], {}, []
-    for input_len in lengths:
-        rows = (
-            table.filter(pl.col("input_len") == input_len)
-            .sort("capacity_per_gpu", descending=True)
-            .to_dicts()
+    question = study_question(capacity, context.question)
+    ranks = rankings(capacity, question)
+    lead = [f"The question: {_asked(capacity, question)}, at the SLO ({context.slo})."]
+    if question == "input_len":
+        body = _scaling_sentences(capacity)
+    else:
+        body = [_winner_sentence(r) for r in ranks]
+    rest = [
+        *((LOSER, _loser_sentence(r)) for r in ranks if question != "input_len"),
+        (ESSENTIAL, agreement_sentence(ranks, question)),
+        *((FLIP, _latency_flip(summary, r, x)) for r in ranks),
+        (BREAKS, _breaks_sentence(capacity)),
+        (HEADROOM, _headroom(summary, ranks, _varied(capacity))),
+        (ESSENTIAL, context.caveat),
+    ]
+    return Section("Recommendation", _fit(lead, body, [(p, s) for p, s in rest if s]))
+
+
+def _interval_kind(capacity: pl.DataFrame) -> str:
+    repeats = capacity["repeats"].max()
+    if repeats > 1:
+        return f"Intervals: 95 % over {repeats} repeats."
+    return "Intervals: one seed, so they are the search's brackets, not noise estimates."
+
+
+def capacity_section(capacity: pl.DataFrame, question: str) -> Section | None:
+    """The detail below the answer: one ranking table per comparison the question makes."""
+    if capacity.is_empty():
+        return None
+    header = ["rank", "configuration", "capacity (req/s)", "GPUs", "per GPU", "interval per GPU"]
+    header += ["output tok/s per GPU", "breaks first above", "$ per M output tokens"]
+    tables = [
+        Table(
+            header,
+            [
+                [
+                    str(i + 1),
+                    r["name"],
+                    fmt_rate(r["capacity_rps"]),
+                    str(r["gpus"]),
+                    fmt_rate(_per_gpu(r)),
+                    _interval(r),
+                    fmt_rate(r["output_tokens_per_s_per_gpu"]),
+                    r["breaks_first"] or "none up to the search's limit",
+                    "—" if r["cost_per_mtok_usd"] is None else f"{r['cost_per_mtok_usd']:,.2f}",
+                ]
+                for i, r in enumerate(ranking.rows)
+            ],
+            ranking.label,
         )
-        winners[input_len] = rows[0]["name"]
-        all_rows += rows
-        if input_len != lengths[0]:  # the first length in full, the others in one sentence
-            sentences.append(_short_winner(rows))
-            continue
-        where = f" at input {input_len} tokens" if len(lengths) > 1 else ""
-        sentences += _winner_sentences(rows, where, context.slo)
-        loser = _loser_sentence(rows)
-        sentences += [loser] if loser else []
-    if len(set(winners.values())) > 1:
-        flips = ", ".join(f"{name} at input {n}" for n, name in winners.items())
-        sentences.append(f"The ranking flips with input length: {flips}.")
-    if len(lengths) == 1:
-        flip = _latency_flip(summary, names, winners[lengths[0]], x)
-        sentences += [flip] if flip else []
-    best = next(r for r in all_rows if r["name"] == winners[lengths[-1]])
-    headroom = _headroom(summary, best)
-    sentences += [headroom] if headroom else []
-    sentences.append(context.caveat)
-    return Section("Recommendation", sentences, [_table(all_rows)])
+        for ranking in rankings(capacity, question)
+    ]
+    return Section(CAPACITY_TITLE, [_interval_kind(capacity)], tables)
+
+
+def no_slo_section() -> Section:
+    """Without ``slo:`` there is no capacity, so nothing to recommend by: say so, and how."""
+    return Section(
+        "Recommendation",
+        [
+            "No SLO is set, so there is no recommendation: a configuration's capacity is the "
+            "highest rate that meets the latency targets, and the config states none.",
+            f"Add the targets to the config and run again, e.g. {SLO_EXAMPLE}",
+        ],
+    )
 
 
 def caveat(backend: str, gpu: str, step_times: list[str]) -> str:

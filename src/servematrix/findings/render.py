@@ -8,14 +8,15 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from servematrix.findings.common import Findings, Section, Table
+from servematrix.findings.common import CAPACITY_TITLE, Findings, Section, Table
 
 
 def _markdown_table(table: Table) -> list[str]:
     def row(cells: list[str]) -> str:
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
-    return [row(table.header), row(["---"] * len(table.header)), *map(row, table.rows), ""]
+    title = [f"**{table.title}**", ""] if table.title else []
+    return [*title, row(table.header), row(["---"] * len(table.header)), *map(row, table.rows), ""]
 
 
 def to_markdown(findings: Findings) -> str:
@@ -35,7 +36,8 @@ def html_table(table: Table) -> str:
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table.rows
     )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    caption = f"<caption>{html.escape(table.title)}</caption>" if table.title else ""
+    return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def to_html(findings: Findings) -> str:
@@ -59,7 +61,8 @@ def to_html(findings: Findings) -> str:
 
 
 def recommendation_json(findings: Findings) -> str:
-    """The findings' Recommendation section (empty without one), for the front page."""
+    """The findings' Recommendation sentences with the capacity tables below them (the
+    "Capacity at the SLO" section), for the front page."""
     section = next(
         (s for s in findings.sections if s.title == "Recommendation"),
         Section(
@@ -67,7 +70,9 @@ def recommendation_json(findings: Findings) -> str:
             ["No capacity to recommend by: the workload caps concurrency (max_concurrency)."],
         ),
     )
-    return json.dumps(asdict(section), indent=1) + "\n"
+    detail = [t for s in findings.sections if s.title == CAPACITY_TITLE for t in s.tables]
+    merged = Section(section.title, section.sentences, section.tables + detail)
+    return json.dumps(asdict(merged), indent=1) + "\n"
 
 
 def recommendation_of(path: str | Path) -> Section:
