@@ -95,9 +95,12 @@ def capacity_outputs(study):
 
 
 def get_overview_inputs(kind, ext):
-    """One file per study for the front page (an input function factory: kind and ext)."""
+    """One file per study for the front page (an input function factory: kind and ext); no
+    capacity tables when the config sets no SLO (the page then says how to set one)."""
 
     def inputs(wildcards):
+        if kind == "capacity" and not config_of(wildcards.backend).slo.defined:
+            return []
         return [f"results/{wildcards.backend}/{kind}/{study}.{ext}" for study in STUDIES]
 
     return inputs
@@ -121,11 +124,10 @@ def prediction_outputs(study):
 def get_final_output():
     """Every study's outputs, and every trace: a deleted trace is rebuilt, with its aggregates."""
     traces = [cell.path for cell in RUN_CONFIG.all_cells()]
-    front = [f"results/{RUN_CONFIG.backend}/overview.html"] if RUN_CONFIG.slo.defined else []
     return (
         traces
         + [path for study in STUDIES for path in study_outputs(study) + prediction_outputs(study)]
-        + front
+        + [f"results/{RUN_CONFIG.backend}/overview.html"]
     )
 
 
@@ -176,6 +178,11 @@ def get_study_title(wildcards):
 
 def get_study_x(wildcards):
     return STUDIES[wildcards.study].x
+
+
+def get_study_question(wildcards):
+    """The question the config names for the study; None: the findings derive it."""
+    return STUDIES[wildcards.study].question
 
 
 def deployment_cells(wildcards):

@@ -1,7 +1,7 @@
 # Findings: the answer at the SLO first, then the study's comparisons as tables and sentences;
 # the answer's charts; the front page. All inside Snakemake, as the summaries.
 from servematrix.findings import write_findings
-from servematrix.overview import write_answer_figures, write_overview
+from servematrix.overview import StudyInputs, write_answer_figures, write_overview
 
 
 rule findings:
@@ -23,6 +23,7 @@ rule findings:
     params:
         title=get_study_title,
         x=get_study_x,
+        question=get_study_question,
         slo=get_slo_description,
         gpu=get_engine_gpu,
         backend=get_backend,
@@ -59,10 +60,15 @@ rule answer_figures:
         "results/{backend}/logs/figures/{study}-answer.log",
     params:
         title=get_study_title,
+        question=get_study_question,
     run:
         with in_process_job(log[0]):
             write_answer_figures(
-                input.summary, input.capacity, params.title, Path(output.capacity).parent
+                input.summary,
+                input.capacity,
+                params.title,
+                Path(output.capacity).parent,
+                params.question,
             )
 
 
@@ -83,11 +89,11 @@ rule overview:
     params:
         names=list(STUDIES),
         titles=[study.title for study in STUDIES.values()],
+        questions=[study.question for study in STUDIES.values()],
     run:
         with in_process_job(log[0]):
             write_overview(
-                params.names,
-                params.titles,
+                StudyInputs(params.names, params.titles, params.questions),
                 input.summaries,
                 input.capacity,
                 input.recommendations,

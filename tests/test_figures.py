@@ -246,3 +246,26 @@ def test_the_vega_bundle_is_built_once_per_version(tmp_path: Path, monkeypatch) 
         assert cached.read_text(encoding="utf-8") == bundle and "vegaEmbed" in bundle
     finally:
         vega_bundle.cache_clear()
+
+
+def test_overloaded_points_are_hollow_diamonds_with_a_legend_note(tmp_path: Path) -> None:
+    """With the summary's `steady` column, overloaded points are drawn apart and the legend says
+    what they mean; without it the figure is as before (one filled point per value)."""
+    steady = [True, False] * (MOONCAKE.height // 2)
+    marked = MOONCAKE.with_columns(steady=pl.Series(steady))
+    spec = build_figure(marked, TITLE, "qps", latency_panels("ttft")).to_dict()
+    text = repr(spec)
+    assert "overloaded: queue growing, latency depends on run length" in text
+    assert "'filled': False" in text and "diamond" in text
+    svg = save_figure(build_figure(marked, TITLE, "qps", latency_panels("ttft")), tmp_path / "t")[0]
+    drawn = svg.read_text()
+    assert "overloaded: queue growing, latency depends on run length" in drawn
+    ET.fromstring(drawn)
+    plain = build_figure(MOONCAKE, TITLE, "qps", latency_panels("ttft")).to_dict()
+    assert "overloaded" not in repr(plain)
+
+
+def test_every_steady_point_keeps_its_filled_marker() -> None:
+    all_steady = MOONCAKE.with_columns(steady=pl.lit(True))
+    spec = repr(build_figure(all_steady, TITLE, "qps", latency_panels("ttft")).to_dict())
+    assert "'filled': False" not in spec and "queue growing" not in spec

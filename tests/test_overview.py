@@ -14,8 +14,11 @@ import polars as pl
 import pytest
 
 from servematrix import browser
+from servematrix.figures import SCHEME
 from servematrix.findings.common import Section, Table
+from servematrix.findings.recommend import no_slo_section
 from servematrix.overview import (
+    StudyInputs,
     StudyPage,
     capacity_chart,
     overview_html,
@@ -79,8 +82,7 @@ def test_the_workflow_job_builds_the_same_page_from_the_files_its_jobs_wrote(tmp
     CAPACITY.write_parquet(tmp_path / "capacity.parquet")
     (tmp_path / "answer.json").write_text(json.dumps(asdict(ANSWER)), encoding="utf-8")
     write_overview(
-        ["s0", "s1"],
-        ["Study <0>", "Study <1>"],
+        StudyInputs(["s0", "s1"], ["Study <0>", "Study <1>"], [None, None]),
         [tmp_path / "summary.parquet"] * 2,
         [str(tmp_path / "capacity.parquet")] * 2,
         [tmp_path / "answer.json"] * 2,
@@ -88,6 +90,80 @@ def test_the_workflow_job_builds_the_same_page_from_the_files_its_jobs_wrote(tmp
     )
     written = (tmp_path / "overview.html").read_text(encoding="utf-8")
     assert written == page(2).replace("front page", "servematrix: what to run at the SLO")
+
+
+def test_without_an_slo_the_page_says_so_and_shows_the_line_to_add(tmp_path):
+    """No capacity tables (no `slo:`): every study shows its findings' answer, no charts."""
+    SUMMARY.write_parquet(tmp_path / "summary.parquet")
+    (tmp_path / "answer.json").write_text(json.dumps(asdict(no_slo_section())), encoding="utf-8")
+    write_overview(
+        StudyInputs(["s0"], ["Study 0"], [None]),
+        [tmp_path / "summary.parquet"],
+        [],
+        [tmp_path / "answer.json"],
+        tmp_path / "overview.html",
+    )
+    written = (tmp_path / "overview.html").read_text(encoding="utf-8")
+    assert "servematrix: no SLO set" in written and "No SLO is set" in written
+    assert (
+        "<code>slo: {ttft: {statistic: p99, max_ms: 2000}, tpot: {statistic: p99, max_ms: 100}, "
+        "attainment: 0.9}</code>" in written
+    )
+    assert "vegaEmbed('#" not in written
+
+
+def test_ten_configurations_get_ten_distinct_colours():
+    """A categorical scheme of ten colours (Vega's tableau10) on the Pareto chart; Vega's
+    named scheme resolves in the browser, so the test checks the spec and the scheme's size."""
+    names = [f"model-{i}" for i in range(10)]
+    capacity = pl.concat([CAPACITY.head(1).with_columns(model=pl.lit(n)) for n in names])
+    summary = pl.concat([SUMMARY.head(2).with_columns(model=pl.lit(n)) for n in names])
+    spec = pareto_chart(summary, capacity, "t").to_dict()
+    scales = [layer["encoding"]["color"]["scale"] for layer in spec["layer"]]
+    assert all(scale == {"scheme": SCHEME} for scale in scales)
+    assert SCHEME in ("tableau10", "category10")
+    svg_colours = set(
+        re.findall(r'stroke="(#[0-9a-f]{6})"', _svg(pareto_chart(summary, capacity, "t")))
+    )
+    assert len(svg_colours & TABLEAU10) == 10
+
+
+TABLEAU10 = {
+    "#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b",
+    "#eeca3b", "#b279a2", "#ff9da6", "#9d755d", "#bab0ac",
+}  # fmt: skip
+
+
+def _svg(chart) -> str:
+    import altair as alt
+    from altair.utils.mimebundle import spec_to_mimebundle
+
+    return spec_to_mimebundle(
+        chart.to_dict(), format="svg", mode="vega-lite", vegalite_version=alt.VEGALITE_VERSION
+    )["image/svg+xml"]
+
+
+def test_a_modes_study_gets_a_capacity_and_pareto_panel_per_model():
+    capacity = pl.concat([CAPACITY, CAPACITY.with_columns(model=pl.lit("big"))])
+    summary = pl.concat([SUMMARY, SUMMARY.with_columns(model=pl.lit("big"))])
+    bars = capacity_chart(capacity, "t", "modes").to_dict()
+    assert len(bars["vconcat"]) == 2 and bars["resolve"]["scale"]["x"] == "independent"
+    assert [panel["layer"][0]["encoding"]["y"]["title"] for panel in bars["vconcat"]] == [
+        "m",
+        "big",
+    ]
+    pareto = pareto_chart(summary, capacity, "t", "modes").to_dict()
+    assert len(pareto["hconcat"]) == 2
+
+
+def test_overloaded_points_are_hollow_on_the_pareto_chart():
+    summary = SUMMARY.with_columns(steady=pl.Series([True, False, True, True]))
+    spec = pareto_chart(summary, CAPACITY, "t").to_dict()
+    hollow = [layer for layer in spec["layer"] if layer["mark"].get("filled") is False]
+    assert len(hollow) == 1
+    assert hollow[0]["encoding"]["shape"]["scale"]["domain"] == [
+        "overloaded: queue growing, latency depends on run length"
+    ]
 
 
 def png_size(path) -> tuple[int, int]:

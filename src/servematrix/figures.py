@@ -5,9 +5,11 @@ measure, and one row per model when a study varies both the model and the servin
 Mooncake studies); otherwise a single row with one line per mode or per model, whichever varies.
 The memory figure shows the summary's peak GPU memory and peak KV-cache usage
 (``servematrix.deploy.memory``: measured on vllm, modelled on the emulator and the simulator); a
-cell without them (null) has no point. Every figure is written twice: as SVG (static, for the
-report) and as interactive HTML with the Vega libraries inlined, so both render without network
-access.
+cell without them (null) has no point. When the summary says which points reached steady state
+(``steady``), an overloaded point (queue growing: its latency depends on how long the run was) is
+a hollow diamond with a legend entry saying so (``overload_points``). Every figure is written
+twice: as SVG (static, for the report) and as interactive HTML with the Vega libraries inlined,
+so both render without network access.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import polars as pl
 
 from servematrix.aggregate import check_one_row_per_point
 from servematrix.files import cache_root, write_text
+from servematrix.findings.common import OVERLOADED_NOTE, overloaded
 from servematrix.matrix import MODES
 
 X_AXES = {
@@ -41,6 +44,10 @@ PANEL_WIDTH = 260
 PANEL_HEIGHT = 200
 LOG_X_RATIO = 8.0
 LOG_Y_RATIO = 50.0
+SCHEME = "tableau10"
+"""Ten distinguishable categorical colours (Vega's default has ten too, but say so)."""
+NUMBER = ",.3~r"
+"""Tooltip numbers: three significant figures, never in scientific notation."""
 
 
 @dataclass(frozen=True)
@@ -167,21 +174,44 @@ def line_panel(
     ``tooltip``."""
     x_axis, y_axis = panel_axes(data, panel, x)
     dash = {} if stroke_dash is None else {"strokeDash": stroke_dash}
-    return (
-        alt.Chart(data, title=panel.title, width=PANEL_WIDTH, height=PANEL_HEIGHT)
-        .mark_line(point=True)
-        .encode(
-            x=x_axis,
-            y=y_axis,
-            color=color,
-            **dash,
-            tooltip=[
-                *tooltip,
-                alt.Tooltip(f"{x}:Q", title=X_AXES[x]),
-                alt.Tooltip(f"{panel.column}:Q", title=panel.y_title, format=",.2f"),
-            ],
-        )
+    encoding = {
+        "x": x_axis,
+        "y": y_axis,
+        "color": color,
+        **dash,
+        "tooltip": [
+            *tooltip,
+            alt.Tooltip(f"{x}:Q", title=X_AXES[x]),
+            alt.Tooltip(f"{panel.column}:Q", title=panel.y_title, format=",.2f"),
+        ],
+    }
+    base = alt.Chart(data, title=panel.title, width=PANEL_WIDTH, height=PANEL_HEIGHT)
+    if "overloaded" not in data.columns:
+        return base.mark_line(point=True).encode(**encoding)
+    line = base.mark_line().encode(**encoding)
+    return alt.layer(line, *overload_points(base, encoding, bool(data["overloaded"].any())))
+
+
+def overload_points(base: alt.Chart, encoding: dict[str, Any], marked: bool) -> list[alt.Chart]:
+    """A line chart's points (the data's boolean ``overloaded`` column): steady ones filled;
+    with ``marked``, overloaded ones as hollow diamonds whose legend entry says what they mean
+    (OVERLOADED_NOTE)."""
+    steady = base.mark_point(filled=True, opacity=1)
+    if not marked:
+        return [steady.encode(**encoding)]
+    shape = alt.Shape(
+        "load:N",
+        title=None,
+        scale=alt.Scale(domain=[OVERLOADED_NOTE], range=["diamond"]),
+        legend=alt.Legend(labelLimit=0, symbolFillColor="white", symbolStrokeColor="black"),
     )
+    hollow = (
+        base.transform_filter("datum.overloaded")
+        .transform_calculate(load=f"'{OVERLOADED_NOTE}'")
+        .mark_point(filled=False, size=90, strokeWidth=2, opacity=1)
+        .encode(shape=shape, **encoding)
+    )
+    return [steady.transform_filter("!datum.overloaded").encode(**encoding), hollow]
 
 
 def finite_points(data: pl.DataFrame, panels: list[Panel]) -> pl.DataFrame:
@@ -215,7 +245,9 @@ def _panel_chart(
         alt.Tooltip(f"{layout.series}:N"),
         *([alt.Tooltip(f"{layout.rows}:N")] if layout.rows else []),
     ]
-    color = alt.Color(f"{layout.series}:N", sort=order, legend=legend)
+    color = alt.Color(
+        f"{layout.series}:N", sort=order, legend=legend, scale=alt.Scale(scheme=SCHEME)
+    )
     return line_panel(data, panel, x, color, tooltip)
 
 
@@ -227,6 +259,8 @@ def build_figure(
     layout = choose_layout(summary)
     columns = sorted({"model", "mode", x, *(p.column for p in panels)})
     data = finite_points(summary.select(columns), panels)
+    if "steady" in summary.columns:  # overloaded points drawn apart (overload_points)
+        data = data.with_columns(overloaded(summary))
     order = series_order(data, layout.series)
     facets = series_order(data, layout.rows) if layout.rows else [None]
     rows = []
@@ -237,7 +271,7 @@ def build_figure(
             alt.Title(f"Model: {facet}", fontSize=14, anchor="start") if facet is not None else ""
         )
         rows.append(alt.hconcat(*charts, title=row_title))
-    return figure_grid(rows, title, ["color"])
+    return figure_grid(rows, title, ["color", "shape"])
 
 
 @functools.cache
