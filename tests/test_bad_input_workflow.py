@@ -152,10 +152,14 @@ def test_the_worked_example_runs(tmp_path):
     assert summary["model"].to_list() == ["my-llama-1b"] * 2
     assert summary["completed"].to_list() == [50, 50]
     assert (workdir / "results" / "simulator" / "findings" / "my-model.md").is_file()
+    # The two configured cells, and the capacity search's probes beside them (its `slo:`).
     cells = sorted((workdir / "results" / "simulator" / "cells").rglob("*.parquet"))
-    assert [p.parent.relative_to(workdir).as_posix() for p in cells] == [
+    assert {p.parent.relative_to(workdir).as_posix() for p in cells} == {
         "results/simulator/cells/v1/my-llama-1b/single"
-    ] * 2
+    }
+    assert len(cells) > 2
+    findings = (workdir / "results" / "simulator" / "findings" / "my-model.md").read_text()
+    assert "The question: the best model, at the SLO" in findings
 
 
 def test_the_worked_example_runs_on_the_emulator(tmp_path, monkeypatch):
