@@ -3,13 +3,16 @@
 Runs ``servematrix.capacity_run.search_deployment`` for every deployment of every study (each
 deployment once, as the workflow does) in a fresh scratch directory, so every probe is a new
 cell (nothing cached), one process, one thread. Prints one row per deployment (study, model,
-mode, input length, capacity and its bracket, probes in all, of which the study's configured
-rates, wall time of the whole search including those) and the total.
+mode, input length, capacity per GPU and the bracket it was found in, the physical ceiling,
+what broke first above it, probes and their requests, wall time of the search) and how far
+the capacity moves when the probes are twice as long (``min_duration_s`` and
+``tail_requests`` doubled), then the total.
 
-``--emulator-study NAME`` instead compares, on the emulator, a search started from the
-simulator's capacity (probes ``WARM_FACTOR`` apart around it) with a blind one (from the
-study's lowest configured rate, doubling), per deployment of that study: measured probes and
-capacities side by side, with the simulator's answer. Keep that study small (few prompts).
+``--emulator-study NAME`` instead measures, per deployment of that study, the emulator's
+capacity (its search started from the simulator's), what a probe cost in wall time, and long
+emulator runs (``--long-s``) at 0.9x and 1.2x that capacity, beside the simulator's answer.
+Probes on the emulator take ``capacity.min_duration_s`` of wall time each (120 s by default):
+set it and ``tail_requests`` in the config to trade precision for time.
 
 Usage (from the repository root)::
 
@@ -26,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from servematrix import capacity, capacity_run, config
+from servematrix import capacity_run, config, steady
+from servematrix.cell import run_cell
 from servematrix.deploy.order import stop_deployments
 from servematrix.matrix import Config
 from servematrix.workflow import check_config
@@ -37,8 +41,9 @@ def _settings(cfg: Config) -> dict:
 
 
 def simulator_table(cfg: Config) -> None:
-    print(f"{'study':<16} {'model':<30} {'mode':<14} {'in':>5} {'capacity':>9} "
-          f"{'bracket':>17} {'probes':>6} {'config':>6} {'wall s':>7}")  # fmt: skip
+    print(f"{'study':<16} {'model':<30} {'mode':<14} {'in':>5} {'per GPU':>8} "
+          f"{'bracket':>15} {'ceiling':>8} {'breaks first':<16} {'probes':>6} {'requests':>8} "
+          f"{'wall s':>7} {'2x long':>8}")  # fmt: skip
     total_s, total_probes, seen = 0.0, 0, set()
     for name, study in cfg.studies.items():
         for path, cells in capacity_run.deployments(study.cells).items():
@@ -49,62 +54,70 @@ def simulator_table(cfg: Config) -> None:
             doc = capacity_run.search_deployment(cells, cfg.slo, _settings(cfg))
             wall_s = time.perf_counter() - started
             total_s, total_probes = total_s + wall_s, total_probes + doc["probes"]
+            doubled = capacity_run.search_deployment(
+                cells,
+                cfg.slo,
+                {
+                    **_settings(cfg),
+                    "min_duration_s": 2 * doc["min_duration_s"],
+                    "tail_requests": 2 * _settings(cfg)["tail_requests"],
+                },
+            )
+            change = doubled["capacity_rps"] / doc["capacity_rps"] - 1 if doc["capacity_rps"] else 0
             s = doc["searches"][0]
-            bracket = f"[{s['capacity_rps']:g}, {s['failing_rps']:g}]"
-            configured = doc["probes"] - doc["new_probes"]
+            failing = "none" if s["failing_rps"] is None else f"{s['failing_rps']:g}"
+            bracket = f"[{s['capacity_rps']:g}, {failing}]"
+            ceiling = f"{doc['ceiling_rps']:.1f}" if doc["ceiling_rps"] else "-"
             print(f"{name:<16} {doc['model']:<30} {doc['mode']:<14} {doc['input_len']:>5} "
-                  f"{doc['capacity_rps']:>9.3g} {bracket:>17} {doc['probes']:>6} "
-                  f"{configured:>6} {wall_s:>7.2f}")  # fmt: skip
-    print(f"{len(seen)} deployments, {total_probes} probes (cells), {total_s:.1f} s in all")
+                  f"{doc['capacity_per_gpu']:>8.3f} {bracket:>15} {ceiling:>8} "
+                  f"{doc['breaks_first']!s:<16} {doc['probes']:>6} "
+                  f"{doc['probe_requests']:>8} {wall_s:>7.2f} {change:>+8.1%}")  # fmt: skip
+    print(f"{len(seen)} deployments, {total_probes} probes, {total_s:.1f} s in all")
 
 
-def emulator_table(cfg: Config, study: str, scratch: Path) -> None:
-    """Blind vs simulated-then-confirmed searches on the emulator, one deployment at a time."""
+def emulator_table(cfg: Config, study: str, long_s: float) -> None:
+    """Per deployment of the study: the simulator's capacity, the emulator's (its search
+    started from the simulator's), what a probe cost in wall time, and long emulator runs at
+    0.9x and 1.2x the measured capacity."""
     twin = check_config({**cfg.raw, "backend": "simulator"})
     measured = check_config({**cfg.raw, "backend": "emulator"})
-    settings = _settings(cfg)
-    print(f"{'model':<30} {'mode':<10} {'simulator':>9} {'blind':>7} {'probes':>6} {'wall s':>7} "
-          f"{'warm':>7} {'probes':>6} {'wall s':>7}")  # fmt: skip
+    settings = _settings(measured)
+    print(f"{'model':<30} {'mode':<10} {'simulated':>9} {'measured':>8} {'probes':>6} "
+          f"{'s/probe':>7} {'0.9x run':<22} {'1.2x run':<22}")  # fmt: skip
     pairs = zip(
         capacity_run.deployments(twin.studies[study].cells).values(),
         capacity_run.deployments(measured.studies[study].cells).values(),
         strict=True,
     )
     for sim_cells, cells in pairs:
-        hint = capacity_run.search_deployment(sim_cells, cfg.slo, settings)["capacity_rps"]
-        lowest = min(c.workload.qps for c in cells)
-        row = []
-        for start in (None, hint):
-            # Each search in its own directory: neither reuses the other's probes.
-            workdir = tempfile.mkdtemp(prefix="blind-" if start is None else "warm-", dir=scratch)
-            os.chdir(workdir)
-            started = time.perf_counter()
-            found = capacity.search(
-                lambda rate, base=cells[0]: capacity_run.probe_cell(
-                    capacity_run.at_rate(base, rate), cfg.slo
-                ),
-                start or lowest,
-                capacity.WARM_FACTOR if start else capacity.BLIND_FACTOR,
-                settings["tolerance"],
-                settings["max_probes"],
-            )
-            row += [found.capacity_rps, len(found.probes), time.perf_counter() - started]
+        hint = capacity_run.search_deployment(sim_cells, cfg.slo, _settings(twin))["capacity_rps"]
+        started = time.perf_counter()
+        doc = capacity_run.search_deployment(cells, cfg.slo, settings, hint or None)
+        per_probe_s = (time.perf_counter() - started) / max(doc["probes"], 1)
+        runs = []
+        for factor in (0.9, 1.2):
+            rate = doc["capacity_rps"] * factor
+            cell = capacity_run.at_rate(cells[0], rate, max(round(rate * long_s), 50))
+            verdict = steady.judge(run_cell(cell, cell.path), cfg.slo, settings["tail_requests"])
+            runs.append("met" if verdict.met else "broken: " + verdict.broken[0])
         first = cells[0]
-        print(f"{first.model.name:<30} {first.mode.name:<10} {hint:>9.3g} {row[0]:>7.3g} "
-              f"{row[1]:>6} {row[2]:>7.1f} {row[3]:>7.3g} {row[4]:>6} {row[5]:>7.1f}")  # fmt: skip
+        print(f"{first.model.name:<30} {first.mode.name:<10} {hint:>9.3g} "
+              f"{doc['capacity_rps']:>8.3g} {doc['probes']:>6} {per_probe_s:>7.1f} "
+              f"{runs[0]:<22} {runs[1]:<22}")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=Path("config/config.yaml"))
     parser.add_argument("--emulator-study")
+    parser.add_argument("--long-s", type=float, default=600.0, help="emulator long runs")
     args = parser.parse_args()
     cfg = check_config(config.read_yaml(args.config))
     with tempfile.TemporaryDirectory(prefix="servematrix-capacity-") as scratch:
         os.chdir(scratch)
         if args.emulator_study:
             try:
-                emulator_table(cfg, args.emulator_study, Path(scratch))
+                emulator_table(cfg, args.emulator_study, args.long_s)
             finally:
                 stop_deployments(check_config({**cfg.raw, "backend": "emulator"}))
         else:

@@ -1,13 +1,14 @@
 # Capacity at the SLO: per deployment (model × mode × recipe × workload), the highest request
-# rate meeting the SLO, found by search; every probe is a cell at its usual trace path. A
-# measured run starts each search from the simulator's capacity for the same deployment. The
-# simulator's searches run inside Snakemake, as its cells do (rules/cells.smk).
+# rate sustained within the SLO, found by search; every probe is a steady-state cell at its
+# usual trace path (servematrix.capacity_run). A measured run starts each search from the
+# simulator's capacity for the same deployment, after the study's own cells (one deployment on
+# the GPUs at a time). The simulator's searches, seconds of CPU each, run in Snakemake's
+# worker processes, one per core (servematrix.workflow.worker_job).
 from servematrix.capacity_run import capacity_job, write_study_table
+from servematrix.workflow import worker_job
 
 
 rule simulate_capacity:
-    input:
-        traces=get_deployment_traces,
     output:
         "results/{backend}/capacity/{recipe}/{model}/{mode}/{deployment}.json",
     log:
@@ -18,9 +19,12 @@ rule simulate_capacity:
         settings=get_capacity_settings,
     wildcard_constraints:
         backend=matrix.PREDICTING_BACKEND,
+    # The search runs in a worker process (servematrix.workflow.worker_job, one per core): the
+    # thread that waits for it takes no core from Snakemake's count, so the cells and charts
+    # go on beside the searches.
+    threads: 0
     run:
-        with in_process_job(log[0]):
-            capacity_job(params.cells, params.slo, params.settings, [], output[0])
+        worker_job(log[0], capacity_job, params.cells, params.slo, params.settings, [], output[0])
 
 
 rule capacity:

@@ -66,7 +66,7 @@ wildcard_constraints:
     mode=matrix.wildcard_pattern(matrix.MODES),
     study=matrix.wildcard_pattern(STUDIES),
     workload=matrix.WORKLOAD_TOKEN_PATTERN,
-    deployment=r"in\d+_out\d+_n\d+(_[A-Za-z0-9.+-]+)*",
+    deployment=r"in\d+_out\d+(_[A-Za-z0-9.+-]+)*",
 
 
 def study_outputs(study):
@@ -185,12 +185,15 @@ def get_study_question(wildcards):
     return STUDIES[wildcards.study].question
 
 
-def deployment_cells(wildcards):
-    """Every configured cell (each rate and seed, any study) of the deployment behind a
-    capacity document's path."""
-    path = "results/{backend}/capacity/{recipe}/{model}/{mode}/{deployment}.json".format(
+def _deployment_path(wildcards):
+    return "results/{backend}/capacity/{recipe}/{model}/{mode}/{deployment}.json".format(
         **dict(wildcards.items())
     )
+
+
+def deployment_cells(wildcards):
+    """The deployment's template cells (one per seed) behind a capacity document's path."""
+    path = _deployment_path(wildcards)
     cells = capacity_run.deployments(config_of(wildcards.backend).all_cells()).get(path)
     if not cells:
         with fail_on_config_error():
@@ -199,7 +202,14 @@ def deployment_cells(wildcards):
 
 
 def get_deployment_traces(wildcards):
-    return [cell.path for cell in deployment_cells(wildcards)]
+    """The study cells of a measured deployment, run before its search (one deployment on the
+    GPUs at a time)."""
+    path = _deployment_path(wildcards)
+    return [
+        cell.path
+        for cell in config_of(wildcards.backend).all_cells()
+        if capacity_run.deployment_path(cell) == path
+    ]
 
 
 def get_simulated_capacity(wildcards):
@@ -212,7 +222,8 @@ def get_simulated_capacity(wildcards):
 
 
 def get_deployment_cells(wildcards):
-    """The cells as JSON, so a changed setting reruns the search."""
+    """The template cells as JSON, so a changed setting reruns the search (and a changed
+    rate or num_prompts of a study does not)."""
     return json.dumps([cell.to_dict() for cell in deployment_cells(wildcards)], sort_keys=True)
 
 

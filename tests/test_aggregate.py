@@ -107,6 +107,7 @@ def test_summary_columns_and_types(tmp_path: Path) -> None:
         *preemption,
         *aggregate.PREFIX_COLUMNS,
         *aggregate.TURN_COLUMNS,
+        *aggregate.STEADY_COLUMNS,
         *intervals.INTERVAL_COLUMNS,
         "repeats",
         "trace",
@@ -116,6 +117,7 @@ def test_summary_columns_and_types(tmp_path: Path) -> None:
     assert df.schema["input_len"] == pl.Int32
     assert df.schema["completed"] == pl.Int64
     assert df.schema["mean_ttft_ms"] == pl.Float64
+    assert df.schema["steady"] == pl.Boolean
 
 
 def test_summary_reads_the_concurrency_cap_from_the_metadata(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -27,7 +28,7 @@ def test_blind_search_brackets_then_bisects_to_the_tolerance(edge):
     assert found.capacity_rps <= edge < found.failing_rps
     assert found.failing_rps - found.capacity_rps <= 0.02 * found.capacity_rps + 0.01
     assert found.breaks_first == ("P99 TTFT",)
-    assert len(calls) == found.new_probes == len(set(calls))
+    assert len(calls) == len(found.probes) == len(set(calls))
 
 
 def test_a_search_from_a_close_hint_needs_fewer_probes():
@@ -38,19 +39,27 @@ def test_a_search_from_a_close_hint_needs_fewer_probes():
     assert len(warm) < len(blind)
 
 
-def test_known_probes_count_and_the_probe_budget_holds():
+def test_the_probe_budget_holds():
     calls: list[float] = []
-    known = [Probe(2.0, True, (), 12, ""), Probe(8.0, False, ("attainment",), 40, "")]
-    found = capacity.search(edge_probe(5.3, calls), 1.0, max_probes=5, known=known)
-    assert len(found.probes) == 5 and found.new_probes == 3
-    assert all(2.0 < rate < 8.0 for rate in calls)
+    found = capacity.search(edge_probe(5.3, calls), 1.0, max_probes=5)
+    assert len(found.probes) == len(calls) == 5
 
 
 def test_never_met_is_capacity_zero_and_never_broken_is_open():
     never = capacity.search(edge_probe(0.0, []), 1.0, max_probes=40)
     assert never.capacity_rps == 0.0 and never.failing_rps == capacity.MIN_RATE_RPS
+    assert not never.limited
     always = capacity.search(edge_probe(1e9, []), 1.0, max_probes=40)
     assert always.failing_rps is None and always.capacity_rps == capacity.MAX_RATE_RPS
+    assert always.limited
+
+
+def test_a_search_stops_at_its_limit_and_says_so():
+    calls: list[float] = []
+    found = capacity.search(edge_probe(1e9, calls), 3.0, max_probes=40, limit_rps=20.0)
+    assert max(calls) == 20.0 and found.capacity_rps == 20.0 and found.limited
+    below = capacity.search(edge_probe(7.0, []), 3.0, max_probes=40, limit_rps=20.0)
+    assert not below.limited and below.capacity_rps <= 7.0 < below.failing_rps
 
 
 def test_intervals_and_cost():
@@ -86,13 +95,19 @@ def test_a_deployment_search_writes_its_probes_as_cells_and_reuses_them(
     cfg = config.load(small_config)
     path, cells = next(iter(capacity_run.deployments(cfg.studies["disagg"].cells).items()))
     model = "Qwen2.5-7B-Instruct-GPTQ-Int4"
-    assert path == f"results/simulator/capacity/v0/{model}/nondisagg/in1024_out6_n20.json"
-    settings = {"tolerance": 0.05, "max_probes": 12, "gpu_hour_usd": 2.0}
+    assert path == f"results/simulator/capacity/v0/{model}/nondisagg/in1024_out6.json"
+    settings = {**cfg.raw["capacity"], "max_probes": 12, "gpu_hour_usd": 2.0}
     document = capacity_run.search_deployment(cells, cfg.slo, settings)
     probes = document["searches"][0]["probes"]
-    assert [p["rate_rps"] for p in probes[:2]] == [2.0, 4.0]  # the configured cells first
     assert all((tmp_path / p["trace"]).is_file() for p in probes)
+    # Each probe sends 60 s of arrivals at its rate, or the 5 x 100 + ramp a P99 needs.
+    assert all(p["requests"] == max(math.ceil(p["rate_rps"] * 60), 625) for p in probes)
+    assert document["searches"][0]["scout_probes"]  # the first guess came from a scout
     assert document["capacity_rps"] > 0 and document["cost_per_mtok_usd"] > 0
+    assert 0 < document["capacity_rps"] < document["ceiling_rps"]
+    at = next(p for p in probes if p["rate_rps"] == document["capacity_rps"])
+    tokens_per_request = at["output_tokens_per_s"] / document["capacity_rps"]
+    assert tokens_per_request == pytest.approx(6, rel=0.1)  # capacity x mean output
     capacity_run.write_deployment(document, path)
     written = {p["trace"]: (tmp_path / p["trace"]).stat().st_mtime_ns for p in probes}
     again = capacity_run.search_deployment(cells, cfg.slo, settings)
@@ -101,6 +116,20 @@ def test_a_deployment_search_writes_its_probes_as_cells_and_reuses_them(
     table = capacity_run.study_table([path])
     assert table.row(0, named=True)["capacity_per_gpu"] == document["capacity_rps"] / 2
     assert json.loads((tmp_path / path).read_text())["gpus"] == 2
+
+
+def test_a_deployments_capacity_does_not_depend_on_the_studys_num_prompts(
+    small_config, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    answers = set()
+    for num_prompts in (20, 2000):
+        small_config["defaults"]["num_prompts"] = num_prompts
+        cfg = config.load(small_config)
+        ((path, cells),) = capacity_run.deployments(cfg.studies["sizes"].cells[:1]).items()
+        document = capacity_run.search_deployment(cells, cfg.slo, cfg.raw["capacity"])
+        answers.add((path, document["capacity_rps"]))
+    assert len(answers) == 1
 
 
 def test_a_concurrency_capped_workload_has_no_capacity_search(small_config):

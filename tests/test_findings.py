@@ -500,7 +500,7 @@ def capacity_row(model: str, mode: str, rate: float, gpus: int = 2, **overrides)
         "capacity_hi_rps": rate * 1.02, "capacity_per_gpu": rate / gpus,
         "output_tokens_per_s_per_gpu": rate * 6 / gpus, "breaks_first": "P99 TPOT",
         "cost_per_mtok_usd": 2.0 * gpus / 3600 / (rate * 6) * 1e6, "probes": 9,
-        "new_probes": 7, "search_wall_s": 0.2,
+        "probe_requests": 7000, "search_wall_s": 0.2,
     }  # fmt: skip
     return row | overrides
 

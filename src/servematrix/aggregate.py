@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from servematrix import intervals, metrics, prefixstats, sessions, trace
+from servematrix import intervals, metrics, prefixstats, sessions, steady, trace
 from servematrix.files import atomic_path
 
 SORT_KEYS = ("model", "mode", "input_len", "qps")
@@ -103,6 +103,16 @@ TURN_COLUMNS = {
 prompts carry the history), over the successful measured requests; null for other workloads."""
 
 
+STEADY_COLUMNS = {"steady": pl.Boolean(), "steady_reason": pl.String()}
+"""Whether the point reached steady state (``servematrix.steady``); when not, why (a growing
+queue: its latencies depend on how long the run was)."""
+
+
+def steady_summary(table: pa.Table) -> dict[str, Any]:
+    state = steady.steadiness(steady.measured_frame(table))
+    return {"steady": state.steady, "steady_reason": state.reason or None}
+
+
 def _summary_schema() -> dict[str, pl.DataType]:
     """Identity columns typed as in the trace, CellMetrics fields, then the trace path."""
     identity = pl.DataFrame(pa.schema(trace.IDENTITY_COLUMNS).empty_table()).schema
@@ -116,6 +126,7 @@ def _summary_schema() -> dict[str, pl.DataType]:
         **PREEMPTION_COLUMNS,
         **PREFIX_COLUMNS,
         **TURN_COLUMNS,
+        **STEADY_COLUMNS,
         **intervals.INTERVAL_COLUMNS,
         "repeats": pl.Int64(),
         "trace": pl.String(),
@@ -170,6 +181,7 @@ def table_summary_row(
         **preemption_summary(table),
         **prefixstats.summary_columns(metadata.get("prefix_cache") or {}),
         **turn_summary(table, workload),
+        **steady_summary(table),
         **dict.fromkeys(intervals.INTERVAL_COLUMNS),
         **(
             intervals.bootstrap_columns(metrics.latencies_of(_served(table)))

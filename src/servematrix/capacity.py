@@ -1,12 +1,14 @@
 """Capacity at an SLO: the highest request rate a deployment serves within its latency targets.
 
-A search over rates, each probe one cell (``servematrix.capacity_run`` runs them): bracket the
-capacity between a rate that meets the SLO and one that does not, expanding from a first guess
-by a factor, then bisect until the bracket is within ``tolerance`` of the rate or the probes
-run out. Rates are rounded to three significant figures, so a probe's cell path stays readable
-and a rerun lands on the same cells (cached like any cell). A measured search may start from
-the simulator's capacity with a small factor: a few probes around it instead of a blind
-bracket (``WARM_FACTOR``).
+A search over rates, each probe one steady-state run at that rate (``servematrix.capacity_run``
+runs them, ``servematrix.steady`` judges them): bracket the capacity between a rate that meets
+the SLO and one that does not, expanding from a first guess by a factor, then bisect until the
+bracket is within ``tolerance`` of the rate or the probes run out. Rates are rounded to three
+significant figures, so a probe's cell path stays readable and a rerun lands on the same cells
+(cached like any cell). A measured search may start from the simulator's capacity with a small
+factor: a few probes around it instead of a blind bracket (``WARM_FACTOR``). The search stops
+at ``limit_rps`` (a multiple of the deployment's physical ceiling where one is known): a
+search that met the SLO there found no failing rate, and says so (``Search.limited``).
 
 Pure logic: the probe is a function given by the caller, so the search is tested directly.
 """
@@ -25,8 +27,8 @@ WARM_FACTOR = 1.1
 """A search from the simulator's capacity steps 10 % at a time around it."""
 MIN_RATE_RPS = 0.01
 MAX_RATE_RPS = 1e4
-"""The search gives up below (capacity 0: not even a trickle meets the SLO) and above (the
-capacity is at least this: the SLO never broke)."""
+"""The search gives up below (capacity 0: not even a trickle meets the SLO) and, without a
+physical ceiling, above (the SLO never broke)."""
 
 
 @dataclass(frozen=True)
@@ -38,18 +40,23 @@ class Probe:
     broken: tuple[str, ...]
     output_tokens_per_s: float
     trace: str
+    requests: int = 0
 
 
 @dataclass(frozen=True)
 class Search:
     """``capacity_rps`` is the highest rate that met the SLO below the lowest that did not
-    (``failing_rps``; None when none failed up to ``MAX_RATE_RPS``); ``probes`` in the order run,
-    ``new_probes`` of them were not already known."""
+    (``failing_rps``; None when none failed up to ``limit_rps``); ``probes`` in the order run."""
 
     capacity_rps: float
     failing_rps: float | None
     probes: tuple[Probe, ...]
-    new_probes: int
+    limit_rps: float = MAX_RATE_RPS
+
+    @property
+    def limited(self) -> bool:
+        """No failing rate up to the limit: the capacity is at least it, not measured."""
+        return self.failing_rps is None and self.capacity_rps > 0
 
     @property
     def at_capacity(self) -> Probe | None:
@@ -78,13 +85,18 @@ def bracket(probes: Iterable[Probe]) -> tuple[float | None, float | None]:
 
 
 def next_rate(
-    lo: float | None, hi: float | None, guess: float, factor: float, tolerance: float
+    lo: float | None,
+    hi: float | None,
+    guess: float,
+    factor: float,
+    tolerance: float,
+    limit_rps: float = MAX_RATE_RPS,
 ) -> float | None:
     """The rate to probe next, or None when the search is done."""
     if lo is None and hi is None:
-        return round_rate(guess)
+        return round_rate(min(guess, limit_rps))
     if hi is None:
-        return None if lo >= MAX_RATE_RPS else round_rate(min(lo * factor, MAX_RATE_RPS))
+        return None if lo >= limit_rps else round_rate(min(lo * factor, limit_rps))
     if lo is None:
         return None if hi <= MIN_RATE_RPS else round_rate(max(hi / factor, MIN_RATE_RPS))
     if hi - lo <= tolerance * lo:
@@ -97,25 +109,22 @@ def search(
     probe: Callable[[float], Probe],
     guess_rps: float,
     factor: float = BLIND_FACTOR,
-    tolerance: float = 0.02,
+    tolerance: float = 0.05,
     max_probes: int = 16,
-    known: Iterable[Probe] = (),
+    limit_rps: float = MAX_RATE_RPS,
 ) -> Search:
-    """Bracket, then bisect; ``known`` probes (the study's configured rates) count as probes
-    already run. Stops at ``max_probes`` probes in all."""
-    probes = list(known)
-    seen = {p.rate_rps for p in probes}
-    new = 0
+    """Bracket, then bisect, at most ``max_probes`` probes and no rate above ``limit_rps``."""
+    probes: list[Probe] = []
+    seen: set[float] = set()
     while len(probes) < max_probes:
         lo, hi = bracket(probes)
-        rate = next_rate(lo, hi, guess_rps, factor, tolerance)
+        rate = next_rate(lo, hi, guess_rps, factor, tolerance, limit_rps)
         if rate is None or rate in seen:
             break
         probes.append(probe(rate))
         seen.add(rate)
-        new += 1
     lo, hi = bracket(probes)
-    return Search(lo or 0.0, hi, tuple(probes), new)
+    return Search(lo or 0.0, hi, tuple(probes), round_rate(limit_rps))
 
 
 def capacity_interval(searches: Iterable[Search]) -> Interval:

@@ -1,11 +1,17 @@
 """The capacity search of one deployment, run through the ordinary cell code.
 
-A deployment is a model × mode × recipe × workload without its rate and seed. Each probe is a
-real cell (``servematrix.cell.run_cell``) whose trace lands at the cell's usual path under
-``results/``, so probes are cached and resumable like any cell: a trace already there for the
-same cell settings is reused, not rerun. The study's own rates are free probes (their traces
-are the rule's inputs). With repeats, one search per seed; the capacity is their mean with a
-95 % interval. Results are one JSON document per deployment and a table per study.
+A deployment is a model × mode × recipe × workload without its rate, request count and seed,
+so its capacity is the same whichever study (and ``num_prompts``) asks. Each probe is a real
+cell (``servematrix.cell.run_cell``) at the probed rate, sized to a steady-state run: arrivals
+for at least ``capacity.min_duration_s`` (by default 600 s of virtual time on the simulator, as
+MLPerf's Server scenario; 120 s of wall time on a measured backend) and enough requests for
+the SLO's percentiles (`probe_requests`), judged over its steady window by
+``servematrix.steady``. Its trace lands at the cell's usual path under ``results/``, so probes
+are cached and resumable like any cell. A search steps around a first guess: the simulator
+twin's capacity on a measured run, else a scouting search's, with probes a quarter as long and
+a tenth of the tail (`scout_settings`). The study's own cells (a fixed number of requests
+each) are not probes. With repeats, one search per seed; the capacity is their mean with a 95 %
+interval. Results are one JSON document per deployment and a table per study.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 
-from servematrix import aggregate, capacity, intervals, trace
+from servematrix import aggregate, capacity, intervals, steady, trace
 from servematrix.cell import run_cell
+from servematrix.engine.ceiling import ceiling_rps
+from servematrix.engine.setup import cell_engine_setup
 from servematrix.files import write_text
-from servematrix.matrix import Cell, Config, workload_token
+from servematrix.matrix import PREDICTING_BACKEND, Cell, Config, workload_token
 from servematrix.slo import Slo
 
 log = logging.getLogger(__name__)
@@ -37,15 +45,27 @@ def gpus_of(cell: Cell) -> int:
     return cell.model.tensor_parallel * cell.mode.instances
 
 
+SIMULATED_DURATION_S = 600.0
+MEASURED_DURATION_S = 120.0
+"""``capacity.min_duration_s`` when the config leaves it out: virtual time is cheap (a
+600 s probe of thousands of requests simulates in well under a second); wall time is not."""
+MIN_PROBE_REQUESTS = 50
+SCOUT_TOLERANCE = 0.2
+"""A scouting search stops once its bracket is this narrow (its short probes are noisier)."""
+CEILING_MARGIN = 2.0
+"""The search probes up to this multiple of the physical ceiling (an upper bound that mixed
+steps or cached prefixes may beat) before it says the SLO never broke."""
+
+
 def deployment_token(cell: Cell) -> str:
-    """The workload's file name without its rate and seed (``in1024_out6_n200``, suffixes)."""
+    """The workload's file name without its rate, request count and seed (``in1024_out6``,
+    then the workload's suffixes)."""
     w = cell.workload
-    head = f"qps{w.qps:g}_"
-    token = workload_token(w).removeprefix(head)
-    core = f"in{w.input_len}_out{w.output_len}_n{w.num_prompts}"
+    head = f"qps{w.qps:g}_in{w.input_len}_out{w.output_len}_n{w.num_prompts}_s{w.seed}"
+    suffixes = workload_token(w).removeprefix(head)
     return (
-        core
-        + token.removeprefix(f"{core}_s{w.seed}")
+        f"in{w.input_len}_out{w.output_len}"
+        + suffixes
         + ("_apc" if cell.serving.prefix_caching else "")
     )
 
@@ -58,7 +78,10 @@ def deployment_path(cell: Cell) -> str:
 
 
 def deployments(cells: Iterable[Cell]) -> dict[str, list[Cell]]:
-    """Deployment document path → its cells (every rate and seed), in a stable order.
+    """Deployment document path → one template cell per seed (its rate and request count
+    set to 1: each probe sets its own), in a stable order. So the search, and the rule that
+    runs it, depend on the deployment alone, not on the rates or ``num_prompts`` a study
+    lists.
 
     A workload with ``max_concurrency`` is left out: its client holds requests back, so a
     higher offered rate is not more load and there is no rate at which the SLO breaks."""
@@ -67,8 +90,9 @@ def deployments(cells: Iterable[Cell]) -> dict[str, list[Cell]]:
         if cell.workload.max_concurrency is not None:
             continue
         group = found.setdefault(deployment_path(cell), [])
-        if cell not in group:
-            group.append(cell)
+        template = at_rate(cell, 1.0, 1)
+        if template not in group:
+            group.append(template)
     return found
 
 
@@ -88,42 +112,114 @@ def _reusable(cell: Cell) -> pa.Table | None:
     return table if reusable else None
 
 
-def probe_cell(cell: Cell, slo: Slo) -> capacity.Probe:
-    """Run (or reuse) one cell and judge it against the SLO."""
+def probe_cell(cell: Cell, slo: Slo, tail_requests: int = steady.TAIL_REQUESTS) -> capacity.Probe:
+    """Run (or reuse) one probe cell and judge its steady window against the SLO."""
     table = _reusable(cell)
     if table is None:
-        log.info("probe %s", cell.path)
+        log.info("probe %s (%d requests)", cell.path, cell.workload.num_prompts)
         table = run_cell(cell, cell.path)
-    row = aggregate.table_summary_row(table, cell.path, slo.per_request_ms(), with_intervals=False)
-    verdict = slo.check(row)
+    verdict = steady.judge(table, slo, tail_requests)
     return capacity.Probe(
-        cell.workload.qps, verdict.met, verdict.broken, row["output_throughput"], cell.path
+        cell.workload.qps,
+        verdict.met,
+        verdict.broken,
+        verdict.output_tokens_per_s,
+        cell.path,
+        cell.workload.num_prompts,
     )
 
 
-def at_rate(cell: Cell, rate_rps: float) -> Cell:
-    return replace(cell, workload=replace(cell.workload, qps=float(rate_rps)))
+def min_duration_s(cell: Cell, settings: Mapping[str, Any]) -> float:
+    configured = settings.get("min_duration_s")
+    if configured is not None:
+        return float(configured)
+    return SIMULATED_DURATION_S if cell.backend == PREDICTING_BACKEND else MEASURED_DURATION_S
+
+
+def probe_requests(
+    rate_rps: float, slo: Slo, duration_s: float, tail_requests: int = steady.TAIL_REQUESTS
+) -> int:
+    """Requests a probe at ``rate_rps`` sends: ``duration_s`` of arrivals, and at least enough
+    that the steady window (after the ramp) holds what the SLO's percentiles need."""
+    window = max(
+        (
+            steady.requests_needed(steady.percentile_of(b.statistic), tail_requests)
+            for b in slo.bounds
+            if b.statistic != "mean"
+        ),
+        default=0,
+    )
+    for_window = math.ceil(window / (1 - steady.RAMP_FRACTION))
+    return max(math.ceil(rate_rps * duration_s), for_window, MIN_PROBE_REQUESTS)
+
+
+def at_rate(cell: Cell, rate_rps: float, num_prompts: int | None = None) -> Cell:
+    workload = replace(cell.workload, qps=float(rate_rps))
+    if num_prompts is not None:
+        workload = replace(workload, num_prompts=num_prompts)
+    return replace(cell, workload=workload)
+
+
+def probe_at(cell: Cell, rate_rps: float, slo: Slo, settings: Mapping[str, Any]) -> capacity.Probe:
+    """One probe of the deployment whose cell this is, sized by the search's settings."""
+    tail = int(settings.get("tail_requests", steady.TAIL_REQUESTS))
+    requests = probe_requests(rate_rps, slo, min_duration_s(cell, settings), tail)
+    return probe_cell(at_rate(cell, rate_rps, requests), slo, tail)
+
+
+def deployment_ceiling_rps(cell: Cell) -> float | None:
+    """The physical ceiling (``servematrix.engine.ceiling``) of a simulated deployment; None
+    for a measured one, whose hardware the simulator's tables need not describe."""
+    if cell.backend != PREDICTING_BACKEND:
+        return None
+    w, mode = cell.workload, cell.mode
+    return ceiling_rps(
+        cell_engine_setup(cell), w.input_len, w.output_len, mode.instances, mode.disaggregated
+    )
+
+
+def scout_settings(settings: Mapping[str, Any], cell: Cell) -> dict[str, Any]:
+    """The scouting search's: a quarter of the duration, a tenth of the tail, a wide bracket."""
+    tail = int(settings.get("tail_requests", steady.TAIL_REQUESTS))
+    return {
+        **settings,
+        "min_duration_s": min_duration_s(cell, settings) / 4,
+        "tail_requests": max(tail // 10, 5),
+        "tolerance": max(SCOUT_TOLERANCE, settings["tolerance"]),
+    }
 
 
 def search_seed(
     cells: list[Cell], slo: Slo, settings: Mapping[str, Any], hint_rps: float | None = None
-) -> capacity.Search:
-    """One seed's search: the configured rates first, then from the simulator's capacity
-    (``hint_rps``, steps of ``WARM_FACTOR``) or by doubling from the highest passing rate."""
-    # qps: .inf (everything at once) is a configured point but no rate to bracket with.
-    known = [probe_cell(cell, slo) for cell in cells if math.isfinite(cell.workload.qps)]
-    guess = hint_rps or max((p.rate_rps for p in known), default=1.0)
-    factor = capacity.WARM_FACTOR if hint_rps else capacity.BLIND_FACTOR
-    if hint_rps:
-        known = []  # around the hint alone: configured rates would widen its first bracket
-    return capacity.search(
-        lambda rate: probe_cell(at_rate(cells[0], rate), slo),
+) -> tuple[capacity.Search | None, capacity.Search]:
+    """One seed's search: (the scouting search, the search). The search steps ``WARM_FACTOR``
+    around a first guess: the simulator's capacity (``hint_rps``), else a scouting search's,
+    which brackets the capacity with short probes, doubling from half the physical ceiling
+    or, without one, from 1 req/s."""
+    template = cells[0]
+    ceiling = deployment_ceiling_rps(template)
+    limit = CEILING_MARGIN * ceiling if ceiling else capacity.MAX_RATE_RPS
+    scout = None
+    if not hint_rps:
+        quick = scout_settings(settings, template)
+        scout = capacity.search(
+            lambda rate: probe_at(template, rate, slo, quick),
+            ceiling / 2 if ceiling else 1.0,
+            capacity.BLIND_FACTOR,
+            quick["tolerance"],
+            settings["max_probes"],
+            limit,
+        )
+    guess = hint_rps or scout.capacity_rps or scout.failing_rps or capacity.MIN_RATE_RPS
+    found = capacity.search(
+        lambda rate: probe_at(template, rate, slo, settings),
         guess,
-        factor,
+        capacity.WARM_FACTOR,
         settings["tolerance"],
         settings["max_probes"],
-        known,
+        limit,
     )
+    return scout, found
 
 
 def _probe_dict(probe: capacity.Probe) -> dict[str, Any]:
@@ -132,6 +228,7 @@ def _probe_dict(probe: capacity.Probe) -> dict[str, Any]:
         "met": probe.met,
         "broken": list(probe.broken),
         "output_tokens_per_s": probe.output_tokens_per_s,
+        "requests": probe.requests,
         "trace": probe.trace,
     }
 
@@ -144,11 +241,13 @@ def search_deployment(
     by_seed: dict[int, list[Cell]] = {}
     for cell in sorted(cells, key=lambda c: (c.workload.seed, c.workload.qps)):
         by_seed.setdefault(cell.workload.seed, []).append(cell)
-    searches = {
-        seed: search_seed(group, slo, settings, hint_rps) for seed, group in by_seed.items()
-    }
-    started_from = "simulator" if hint_rps else "blind"
+    both = {seed: search_seed(group, slo, settings, hint_rps) for seed, group in by_seed.items()}
+    searches = {seed: found for seed, (_, found) in both.items()}
+    scouted = [p for scout, _ in both.values() if scout for p in scout.probes]
+    every = scouted + [p for s in searches.values() for p in s.probes]
     first, gpus = cells[0], gpus_of(cells[0])
+    ceiling = deployment_ceiling_rps(first)
+    started_from = "simulator" if hint_rps else ("ceiling" if ceiling else "blind")
     interval = capacity.capacity_interval(searches.values())
     at_capacity = [s.at_capacity for s in searches.values() if s.at_capacity]
     tokens = (
@@ -172,13 +271,16 @@ def search_deployment(
         "capacity_per_gpu": interval.value / gpus,
         "output_tokens_per_s_per_gpu": tokens.value / gpus if tokens else 0.0,
         "breaks_first": breaks.most_common(1)[0][0] if breaks else None,
+        "limited": any(s.limited for s in searches.values()),
+        "ceiling_rps": ceiling,
+        "min_duration_s": min_duration_s(first, settings),
         "cost_per_mtok_usd": (
             capacity.cost_per_million_tokens(price, gpus, tokens.value)
             if price and tokens
             else None
         ),
-        "probes": sum(len(s.probes) for s in searches.values()),
-        "new_probes": sum(s.new_probes for s in searches.values()),
+        "probes": len(every),
+        "probe_requests": sum(p.requests for p in every),
         "search_wall_s": time.monotonic() - started,
         "started_from": started_from,
         "simulated_capacity_rps": hint_rps,
@@ -187,10 +289,12 @@ def search_deployment(
                 "seed": seed,
                 "capacity_rps": s.capacity_rps,
                 "failing_rps": s.failing_rps,
+                "limit_rps": s.limit_rps,
                 "breaks_first": list(s.breaks_first),
                 "probes": [_probe_dict(p) for p in s.probes],
+                "scout_probes": [_probe_dict(p) for p in scout.probes] if scout else [],
             }
-            for seed, s in searches.items()
+            for seed, (scout, s) in both.items()
         ],
     }
 
@@ -221,18 +325,21 @@ def capacity_job(
 TABLE_COLUMNS = (
     "model", "mode", "recipe", "input_len", "output_len", "gpus", "repeats", "capacity_rps",
     "capacity_lo_rps", "capacity_hi_rps", "capacity_per_gpu", "output_tokens_per_s_per_gpu",
-    "breaks_first", "cost_per_mtok_usd", "probes", "new_probes", "search_wall_s",
+    "breaks_first", "limited", "ceiling_rps", "min_duration_s", "cost_per_mtok_usd", "probes",
+    "probe_requests", "search_wall_s",
 )  # fmt: skip
 
 TABLE_SCHEMA = {
     **dict.fromkeys(("model", "mode", "recipe", "breaks_first"), pl.String()),
+    "limited": pl.Boolean(),
     **dict.fromkeys(
-        ("input_len", "output_len", "gpus", "repeats", "probes", "new_probes"), pl.Int64()
+        ("input_len", "output_len", "gpus", "repeats", "probes", "probe_requests"), pl.Int64()
     ),
     **dict.fromkeys(
         (
             "capacity_rps", "capacity_lo_rps", "capacity_hi_rps", "capacity_per_gpu",
-            "output_tokens_per_s_per_gpu", "cost_per_mtok_usd", "search_wall_s",
+            "output_tokens_per_s_per_gpu", "ceiling_rps", "min_duration_s", "cost_per_mtok_usd",
+            "search_wall_s",
         ),
         pl.Float64(),
     ),

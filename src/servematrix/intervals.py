@@ -110,6 +110,9 @@ def merge_repeats(summary: pl.DataFrame) -> pl.DataFrame:
             row[f"{column}_lo"] = interval.lo if interval else None
             row[f"{column}_hi"] = interval.hi if interval else None
         row.update(part.select(means).row(0, named=True))
+        if "steady" in part.columns:  # steady only if every seed's run was
+            row["steady"] = bool(part["steady"].all())
+            row["steady_reason"] = next((r for r in part["steady_reason"] if r), None)
         row["seed"], row["repeats"] = int(part["seed"].min()), part.height
         rows.append(row)
     merged = pl.DataFrame(rows, schema=counted.schema)

@@ -12,6 +12,7 @@ per-request value, so an ITL bound is checked at its statistic only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ PER_REQUEST = ("ttft", "tpot", "e2el")
 """The metrics a single request has a value of (``metrics.SLO_KEYS``)."""
 STATISTICS = ("mean", "median", "p90", "p95", "p99")
 ATTAINMENT = "attainment"
+FAILED = "failed requests"
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,14 @@ class Bound:
     def column(self) -> str:
         """The summary column holding the statistic (``p99_ttft_ms``)."""
         return f"{self.statistic}_{self.metric}_ms"
+
+    @property
+    def tolerated_failures(self) -> float:
+        """The share of requests that may fail, infinitely slow, with the statistic still
+        finite: above its percentile (none for a mean)."""
+        if self.statistic == "mean":
+            return 0.0
+        return 0.5 if self.statistic == "median" else 1 - float(self.statistic[1:]) / 100
 
     @property
     def label(self) -> str:
@@ -76,13 +86,23 @@ class Slo:
         return {b.metric: b.max_ms for b in self.bounds if b.metric in PER_REQUEST}
 
     def check(self, row: Mapping[str, Any]) -> Verdict:
-        """Judge one summary row (``good_fraction`` is its attainment)."""
+        """Judge one summary row (``good_fraction`` is its attainment). A summary's statistics
+        cover the successful requests (vLLM's), so failures are added back as infinitely slow:
+        a bound breaks when more requests failed than its statistic lets through (any for a
+        mean, over 1 % for a P99); and without an attainment any failed request breaks the
+        SLO (``FAILED``), as a capacity probe's (``servematrix.steady``)."""
         over: list[tuple[float, str]] = []
+        failed = row.get("failed") or 0
+        failed_share = failed / max(failed + (row.get("completed") or 0), 1)
         for bound in self.bounds:
             value = row.get(bound.column)
-            if value is None or not value <= bound.max_ms:  # NaN (no request) breaks it
+            if failed_share > bound.tolerated_failures:
+                over.append((math.inf, bound.label))
+            elif value is None or not value <= bound.max_ms:  # NaN (no request) breaks it
                 ratio = value / bound.max_ms if value is not None and value == value else 1e9
                 over.append((ratio, bound.label))
+        if self.attainment is None and failed:
+            over.append((math.inf, FAILED))
         if self.attainment is not None and row["good_fraction"] < self.attainment:
             shortfall = (1 - row["good_fraction"]) / max(1 - self.attainment, 1e-9)
             over.append((shortfall, ATTAINMENT))

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import ctypes
 import logging
+import multiprocessing
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +140,58 @@ def in_process_job(log_path: str) -> Iterator[logging.Logger]:
                 logger.removeHandler(handler)
                 handler.close()
             logger.setLevel(level)
+
+
+_WORKERS: list[concurrent.futures.ProcessPoolExecutor] = []
+_WORKERS_LOCK = threading.Lock()
+PR_SET_PDEATHSIG = 1
+
+
+def worker_job(log_path: str, job: Callable[..., None], *args: Any) -> None:
+    """A CPU-bound simulator job (a deployment's capacity search) in a worker process, so that
+    such jobs use every core Snakemake was given instead of taking turns in its process (as
+    `in_process_job`s do). The workers fork from a server that imported the package once, so a
+    job costs no interpreter start; the job's log records go to its log file, and an error
+    fails the job here."""
+    future = _worker_pool().submit(_logged_job, log_path, job, *args)
+    future.result()
+
+
+def _worker_pool() -> concurrent.futures.ProcessPoolExecutor:
+    with _WORKERS_LOCK:
+        if not _WORKERS:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["servematrix.capacity_run"])
+            _WORKERS.append(
+                concurrent.futures.ProcessPoolExecutor(
+                    max_workers=os.cpu_count() or 1,
+                    mp_context=context,
+                    initializer=_die_with_parent,
+                )
+            )
+        return _WORKERS[0]
+
+
+def _die_with_parent() -> None:
+    """A worker ends with the Snakemake process that started it (Linux's parent-death signal),
+    even when Snakemake itself is killed."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _logged_job(log_path: str, job: Callable[..., None], *args: Any) -> None:
+    handler = _file_handler(log_path)
+    logger = logging.getLogger("servematrix")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        job(*args)
+    except Exception as error:
+        logger.error("job failed: %s", error, exc_info=True)
+        raise
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
 
 
 def _file_handler(path: str) -> logging.Handler:

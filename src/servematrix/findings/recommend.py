@@ -149,6 +149,19 @@ def _gpus(n: int) -> str:
 
 def _winner_sentence(ranking: Ranking) -> str:
     best = ranking.rows[0]
+    scope = f"For {ranking.label}, " if ranking.label else ""
+    if not best["capacity_rps"]:
+        return (
+            f"{scope}no configuration meets the SLO, not even at the lowest rate probed "
+            f"({best['name']}'s {best['breaks_first']} breaks first): nothing to recommend."
+        )
+    if best.get("limited"):
+        ceiling = best.get("ceiling_rps")
+        up_to = f" up to {fmt_rate(2 * ceiling)} req/s (twice its ceiling)" if ceiling else ""
+        return (
+            f"{scope}{best['name']} met the SLO at every rate probed{up_to}: its capacity is "
+            "above that, not measured."
+        )
     cost = best["cost_per_mtok_usd"]
     priced = f", ${cost:,.2f} per million output tokens" if cost is not None else ""
     text = (

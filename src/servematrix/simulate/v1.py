@@ -110,6 +110,8 @@ class V1Handoff:
         self._schedule_link(now)
 
     def _on_link(self: Disaggregated, now: float, payload: None) -> None:
+        if now != self._link_event_at:
+            return  # superseded by a sooner event: acting on it would push a duplicate
         self._link_event_at = inf
         done = self.link.advance(now)
         if done:

@@ -1,0 +1,86 @@
+"""A server that fails requests is never recommended, with or without an attainment: two real
+emulator deployments searched at the SLO, one failing 5 % of its requests (the emulator's
+injected fault), then ranked as the findings rank them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from servematrix import capacity_run, config
+from servematrix.deploy.supervise import port_problem
+from servematrix.findings.recommend import rankings
+from servematrix.slo import Slo
+
+pytestmark = pytest.mark.slow
+
+SLO = {"ttft": {"statistic": "p90", "max_ms": 3000}}
+
+
+def _free_base() -> int:
+    for _ in range(100):
+        base = random.randrange(12000, 30000, 1000)
+        if not any(port_problem("127.0.0.1", base + offset) for offset in (997, 800)):
+            return base
+    raise RuntimeError("no free ports")
+
+
+def _config() -> dict:
+    base = _free_base()
+    model = {
+        "hf_id": "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",
+        "architecture": "qwen2.5-7b",
+        "quantization": "gptq-int4",
+        "tensor_parallel": 1,
+        "gpus": [[0]],
+    }
+    return {
+        "backend": "emulator",
+        "defaults": {"num_prompts": 10, "output_len": 8, "seed": 0},
+        "slo": SLO,
+        "capacity": {"min_duration_s": 3, "tail_requests": 2, "max_probes": 3},
+        "ports": {"single": base + 997, "proxy": base + 90, "bootstrap": base + 800},
+        "deploy": {"warm": False, "startup_timeout_s": 60, "stop_timeout_s": 10},
+        "models": {"failing": model, "healthy": model},
+        "studies": {
+            "s": {
+                "recipe": "v1",
+                "models": ["failing", "healthy"],
+                "modes": ["single"],
+                "qps": [4],
+                "input_len": [128],
+            }
+        },
+    }
+
+
+def test_a_server_failing_requests_is_never_recommended(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = config.load(_config())
+    (failing_path, failing), (healthy_path, healthy) = capacity_run.deployments(
+        cfg.studies["s"].cells
+    ).items()
+    settings = cfg.raw["capacity"]
+    monkeypatch.setenv("SERVEMATRIX_EMULATOR_FAIL_FRACTION", "0.05")
+    broken = capacity_run.search_deployment(failing, cfg.slo, settings, hint_rps=4.0)
+    monkeypatch.delenv("SERVEMATRIX_EMULATOR_FAIL_FRACTION")
+    sound = capacity_run.search_deployment(healthy, cfg.slo, settings, hint_rps=4.0)
+
+    # Without an attainment, a failed request breaks the SLO at every rate, however fast the
+    # served ones were (5 % failures are under what the P90 bound would let through).
+    assert broken["capacity_rps"] == 0 and broken["breaks_first"] == "failed requests"
+    assert sound["capacity_rps"] > 0
+    capacity_run.write_deployment(broken, failing_path)
+    capacity_run.write_deployment(sound, healthy_path)
+    (ranking,) = rankings(capacity_run.study_table([failing_path, healthy_path]), "models")
+    assert [row["model"] for row in ranking.rows] == ["healthy", "failing"]
+
+    # With an attainment of 0.97 the same probes (reused, not rerun) miss it: a failed request
+    # meets no bound.
+    with_attainment = Slo.from_config({**SLO, "attainment": 0.97})
+    again = capacity_run.search_deployment(failing, with_attainment, settings, hint_rps=4.0)
+    assert again["capacity_rps"] == 0
+    assert {p["trace"] for p in again["searches"][0]["probes"]} <= {
+        p["trace"] for p in broken["searches"][0]["probes"]
+    }

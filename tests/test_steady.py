@@ -1,0 +1,117 @@
+"""Steady state and the SLO over a run's steady window (servematrix.steady), on made-up traces
+whose shape is known: a server that keeps up, one whose queue grows, one that fails requests."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+
+from servematrix import steady
+from servematrix.slo import Slo
+from servematrix.trace import POLARS_SCHEMA, REQUEST_COLUMNS
+
+SLO = Slo.from_config(
+    {"ttft": {"statistic": "p99", "max_ms": 500}, "tpot": {"statistic": "p99", "max_ms": 50}}
+)
+
+
+def run(
+    n: int = 2000,
+    rate_rps: float = 10.0,
+    ttft_s=lambda sent: np.full(len(sent), 0.2),
+    fail_every: int = 0,
+    tokens: int = 6,
+    tpot_s: float = 0.02,
+) -> pl.DataFrame:
+    """A trace of ``n`` Poisson arrivals; each request's TTFT from ``ttft_s(sent times)``."""
+    rng = np.random.default_rng(0)
+    sent = np.cumsum(rng.exponential(1 / rate_rps, n))
+    first = sent + ttft_s(sent)
+    end = first + tpot_s * (tokens - 1)
+    ok = np.ones(n, dtype=bool)
+    if fail_every:
+        ok[::fail_every] = False
+    frame = pl.DataFrame(
+        {
+            "request_id": np.arange(n, dtype=np.int32),
+            "warmup": np.zeros(n, dtype=bool),
+            "scheduled_s": sent,
+            "sent_s": sent,
+            "first_token_s": np.where(ok, first, np.nan),
+            "end_s": np.where(ok, end, np.nan),
+            "chunk_s": [list(np.linspace(f, e, tokens)) for f, e in zip(first, end, strict=True)],
+            "chunk_tokens": [[1] * tokens] * n,
+            "prompt_tokens": np.full(n, 100, dtype=np.int32),
+            "completion_tokens": np.where(ok, tokens, 0).astype(np.int32),
+            "success": ok,
+            "error": [None if good else "HTTP 500" for good in ok],
+            "request_input_len": np.full(n, 100, dtype=np.int32),
+            "request_output_len": np.full(n, tokens, dtype=np.int32),
+            "preemptions": np.zeros(n, dtype=np.int32),
+        }
+    ).with_columns(pl.col("first_token_s", "end_s").fill_nan(None))
+    return frame.cast({k: POLARS_SCHEMA[k] for k in REQUEST_COLUMNS})
+
+
+def test_a_server_that_keeps_up_is_steady_and_meets_the_slo():
+    verdict = steady.judge(run(), SLO, tail_requests=10)
+    assert verdict.steadiness.steady and verdict.met and verdict.broken == ()
+    assert verdict.steadiness.window_requests == 1600
+    assert verdict.output_tokens_per_s == pytest.approx(10 * 6, rel=0.1)
+
+
+def test_a_growing_queue_is_named_even_when_every_bound_holds():
+    # TTFT rises from 0.1 s to 0.45 s over the run: under the 500 ms bound throughout.
+    growing = run(ttft_s=lambda sent: 0.1 + 0.35 * sent / sent.max())
+    verdict = steady.judge(growing, SLO, tail_requests=10)
+    assert not verdict.steadiness.steady and verdict.steadiness.reason == steady.QUEUE_GROWING
+    assert verdict.broken == (steady.QUEUE_GROWING,)
+
+
+def test_completions_falling_behind_the_offered_rate_are_named():
+    frame = run()
+    late = frame["sent_s"] > frame["sent_s"].max() * 0.5
+    # Every other request of the second half never finishes (the client gave up at the end).
+    lost = late & (frame["request_id"] % 2 == 0)
+    frame = frame.with_columns(
+        success=~lost,
+        end_s=pl.when(lost).then(None).otherwise(pl.col("end_s")),
+        first_token_s=pl.when(lost).then(None).otherwise(pl.col("first_token_s")),
+    )
+    state = steady.steadiness(steady.measured_frame(frame))
+    assert state.reason == steady.BELOW_OFFERED
+    assert state.completed_rps < 0.9 * state.offered_rps
+
+
+def test_failed_requests_count_against_every_statistic_without_attainment():
+    # 2 % of requests fail, every served one is fast: P99 TTFT is the failures' (infinite).
+    verdict = steady.judge(run(fail_every=50), SLO, tail_requests=10)
+    assert not verdict.met and verdict.broken[:3] == ("P99 TTFT", "P99 TPOT", "failed requests")
+    # One failure in 500 is under what a P99 lets through, and still breaks the SLO.
+    verdict = steady.judge(run(fail_every=500), SLO, tail_requests=10)
+    assert verdict.broken == ("failed requests",)
+    mean = Slo.from_config({"e2el": {"statistic": "mean", "max_ms": 10_000}})
+    assert not steady.judge(run(fail_every=500), mean, tail_requests=10).met
+    assert steady.judge(run(), mean, tail_requests=10).met
+
+
+def test_failures_miss_the_attainment():
+    slo = Slo.from_config({"ttft": {"statistic": "mean", "max_ms": 10_000}, "attainment": 0.9})
+    verdict = steady.judge(run(fail_every=5), slo, tail_requests=10)  # 20 % fail
+    assert "attainment" in verdict.broken
+
+
+def test_a_percentile_needs_its_tail_of_requests():
+    assert steady.requests_needed(99, 50) == 5000
+    assert steady.requests_needed(90, 50) == 500
+    assert steady.requests_needed(50, 50) == 100
+    verdict = steady.judge(run(n=400), SLO, tail_requests=10)  # 320 in the window, P99 needs 1000
+    assert not verdict.met and verdict.broken[0] == "P99 TTFT needs 1000 requests"
+    assert steady.statistic_s(np.arange(1000) / 1000, "p99", 10) == pytest.approx(0.98901)
+
+
+def test_a_run_shorter_than_twice_its_latency_is_too_short_to_judge():
+    slow = run(n=100, ttft_s=lambda sent: np.full(len(sent), 8.0))
+    state = steady.steadiness(steady.measured_frame(slow))
+    assert state.reason == steady.TOO_SHORT and not state.steady
