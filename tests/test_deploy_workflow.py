@@ -362,6 +362,7 @@ def test_interrupted_in_the_middle_of_a_cell(tmp_path, how):
     if how in ("SIGTERM", "Ctrl-C", "SIGINT to Snakemake"):
         line = r"interrupted \(signal SIG(TERM|INT)\); nothing was written"
         assert re.search(line, output), output[-4000:]
+        assert "ignored due to race condition" not in output, output[-4000:]
     if how == "decode crash":
         assert "decode exited with code -9 while serving" in output, output[-3000:]
     if how == "etcd death":
