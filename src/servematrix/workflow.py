@@ -76,10 +76,48 @@ def predicted_config(cfg: Config) -> Config | None:
     return check_config({**cfg.raw, "backend": PREDICTING_BACKEND})
 
 
-def report_requested(argv: Sequence[str]) -> bool:
-    """``snakemake --report FILE`` without a run first (``--report-after-run`` runs first)."""
-    report = any(arg == "--report" or arg.startswith("--report=") for arg in argv)
-    return report and "--report-after-run" not in argv
+def requested_report(argv: Sequence[str]) -> str | None:
+    """The FILE of ``snakemake --report [FILE]`` without a run first (``--report-after-run``
+    runs first), else None; FILE as Snakemake's argparse reads it (default report.html)."""
+    if "--report-after-run" in argv:
+        return None
+    for i, arg in enumerate(argv):
+        if arg.startswith("--report="):
+            return arg.partition("=")[2]
+        if arg == "--report":
+            following = argv[i + 1] if i + 1 < len(argv) else "-"
+            return "report.html" if following.startswith("-") else following
+    return None
+
+
+def stop_report_on_interrupt(path: str) -> None:
+    """Ctrl-C while Snakemake plans or writes a report: one line and exit status 130, not the
+    KeyboardInterrupt traceback (Snakemake catches only Exception around a report), and no
+    half-written report (a zip report is written file by file). A report that was there
+    before and is not yet being overwritten is left as it was.
+
+    The process ends at once (``os._exit``): an exception raised wherever Snakemake is (an
+    asyncio loop half built) would print the tracebacks of half-built objects as it unwinds,
+    and a report holds no lock and writes nothing else to clean up."""
+    before = _stat(path)
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if _stat(path) != before:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        print(f"servematrix: interrupted; the report {path} was not written", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+
+def _stat(path: str) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
 
 
 def missing_results(paths: Iterable[str]) -> str | None:
