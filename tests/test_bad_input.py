@@ -317,8 +317,9 @@ def test_metrics_refuses_a_negative_slo(tmp_path):
     )
     assert run.returncode == 2
     assert run.stderr.splitlines() == [
+        "usage: servematrix metrics [-h] [--slo KEY=MS] trace",
         "servematrix metrics: error: argument --slo: ttft=-5: an SLO must be a positive number "
-        "of ms"
+        "of ms",
     ]
     assert list(tmp_path.iterdir()) == []
 

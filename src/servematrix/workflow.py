@@ -43,6 +43,16 @@ def merged(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     return base
 
 
+def parse_overrides(entries: Sequence[str]) -> dict[str, Any]:
+    """``--config KEY=VALUE ...`` parsed exactly as Snakemake parses its own."""
+    from snakemake.cli import parse_config
+
+    try:
+        return parse_config(entries)
+    except ValueError as error:
+        raise ConfigError("--config", str(error)) from None
+
+
 def workflow_config(
     configfiles: Sequence[str | Path],
     overrides: Mapping[str, Any],
