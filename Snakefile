@@ -3,9 +3,13 @@ import sys
 
 from snakemake.utils import min_version
 
-from servematrix.workflow import missing_results, report_requested
+from servematrix.workflow import missing_results, requested_report, stop_report_on_interrupt
 
 min_version("9.0")
+
+REPORT = requested_report(sys.argv)
+if REPORT is not None:
+    stop_report_on_interrupt(REPORT)
 
 
 # No `configfile:` here: rules/common.smk reads config/config.yaml (or the --configfile given
@@ -24,7 +28,7 @@ include: "rules/compare.smk"
 include: "rules/capacity.smk"
 
 
-if report_requested(sys.argv):
+if REPORT is not None:
     with fail_on_config_error():
         message = missing_results(get_final_output())
     if message:

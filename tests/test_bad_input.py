@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -316,8 +317,9 @@ def test_metrics_refuses_a_negative_slo(tmp_path):
     )
     assert run.returncode == 2
     assert run.stderr.splitlines() == [
+        "usage: servematrix metrics [-h] [--slo KEY=MS] trace",
         "servematrix metrics: error: argument --slo: ttft=-5: an SLO must be a positive number "
-        "of ms"
+        "of ms",
     ]
     assert list(tmp_path.iterdir()) == []
 
@@ -406,6 +408,33 @@ def test_a_hub_id_offline_and_not_cached_is_one_line(tmp_path):
         "'meta-llama/Llama-3.2-1B-Instruct' has no config.json in the Hugging Face cache and "
         "HF_HUB_OFFLINE is set: fetch it once online, or give a path to a local config.json"
     ]
+
+
+def test_a_hub_id_with_the_hub_out_of_reach_says_so_and_how_to_do_without(tmp_path):
+    """No network (here: nothing listens at HF_ENDPOINT): one line that says the Hub cannot be
+    reached and how to give the architecture instead, after one attempt; it used to retry for
+    ~25 s and then call the file missing ("has no config.json")."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    path = with_architecture(tmp_path, "acme/tiny-llama")
+    env = {
+        "HF_ENDPOINT": f"http://127.0.0.1:{closed}",
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_CACHE": str(tmp_path / "hub"),
+    }
+    run = _check_in_subprocess(path, env)
+    assert run.returncode == 1
+    [line] = run.stderr.splitlines()
+    assert line.startswith(
+        f"servematrix: config error at models.{MODEL}.architecture: Hugging Face model "
+        "'acme/tiny-llama' needs its config.json from the Hugging Face Hub, which cannot be "
+        "reached (ConnectError: "
+    ), line
+    assert line.endswith(
+        "connect once (it is cached then), or give the model an `architecture:`, a shipped "
+        f"name ({SHIPPED}) or a local config.json"
+    ), line
 
 
 def test_a_hub_id_in_the_cache_is_read_from_it(tmp_path):

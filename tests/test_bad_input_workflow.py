@@ -80,6 +80,33 @@ def test_a_syntax_error_in_a_config_of_ones_own_is_located(workdir):
     assert lines == [expected_text_line("yaml-syntax-error", "mine.yaml")]
 
 
+def test_a_missing_config_of_ones_own_is_one_line(workdir):
+    lines = refused(workdir, "all", "--config", "configfile=nope.yaml")
+    assert lines == ["servematrix: config error at nope.yaml: no such file"]
+
+
+SNAKEMAKE_READS_CONFIGFILE = (
+    "Snakemake reads a --configfile in its command line (ConfigSettings, before it reads the "
+    "Snakefile), so no servematrix code runs before it fails: a missing file is a traceback "
+    "(snakemake/common/configfile.py opens it outside its try), a syntax error its own line "
+    "without the line number. `--config configfile=FILE` is read by servematrix alone."
+)
+
+
+@pytest.mark.xfail(strict=True, reason=SNAKEMAKE_READS_CONFIGFILE)
+def test_a_missing_configfile_is_one_line(workdir):
+    lines = refused(workdir, "all", "--configfile", "nope.yaml")
+    assert lines == ["servematrix: config error at nope.yaml: no such file"]
+
+
+@pytest.mark.xfail(strict=True, reason=SNAKEMAKE_READS_CONFIGFILE)
+def test_a_syntax_error_in_a_configfile_is_located(workdir):
+    text, _ = broken_text("yaml-syntax-error")
+    (workdir / "mine.yaml").write_text(text)
+    lines = refused(workdir, "all", "--configfile", "mine.yaml")
+    assert lines == [expected_text_line("yaml-syntax-error", "mine.yaml")]
+
+
 def test_config_after_the_target_is_the_documented_order(workdir):
     (workdir / "config" / "config.yaml").write_text(config_text(copy.deepcopy(SMALL_CONFIG)))
     after = refused(workdir, "all", "--config", "backend=tgi")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -88,3 +89,66 @@ def test_metrics_piped_into_a_reader_that_stops_early(tmp_path):
     )
     os.close(write_end)
     assert (run.returncode, run.stderr) == (0, "")
+
+
+def _usage_error(argv: list[str], capsys) -> list[str]:
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 2
+    return capsys.readouterr().err.splitlines()
+
+
+def test_no_command_prints_the_usage(capsys):
+    lines = _usage_error([], capsys)
+    assert lines[0] == "usage: servematrix [-h] [--version] {check,metrics,deploy,bench} ..."
+    assert lines[-1] == "servematrix: error: the following arguments are required: command"
+
+
+def test_version_is_the_installed_package_version(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == f"servematrix {importlib.metadata.version('servematrix')}\n"
+
+
+def test_a_flag_a_command_does_not_take_is_reported_by_that_command(capsys):
+    argv = ["bench", "--base-url", "http://x", "--model", "m", "-o", "t.parquet", "--bogus", "1"]
+    lines = _usage_error(argv, capsys)
+    assert lines[0].startswith("usage: servematrix bench [-h] --base-url BASE_URL")
+    assert lines[-1] == "servematrix bench: error: unrecognized arguments: --bogus 1"
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["check", "c.yaml", "--config", "other.yaml"], "servematrix check other.yaml"),
+        (
+            ["deploy", "--dry-run", "m", "single", "--config", "other.yaml"],
+            "--configfile other.yaml",
+        ),
+    ],
+)
+def test_config_is_key_value_everywhere_and_a_file_is_named_how_to_give(argv, hint, capsys):
+    lines = _usage_error(argv, capsys)
+    assert lines[-1] == (
+        f"servematrix {argv[0]}: error: argument --config: 'other.yaml' is not KEY=VALUE (as "
+        f"snakemake --config); a config file is {hint}"
+    )
+
+
+def test_deploy_takes_a_configfile_and_config_overrides(tmp_path, small_config, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(small_config))
+    model = next(iter(small_config["models"]))
+    argv = ["deploy", "--dry-run", model, "single", "--configfile", str(path)]
+    assert cli.main([*argv, "--config", "backend=emulator"]) == 0
+    assert capsys.readouterr().out.startswith("# emulator deployment")
+
+
+@pytest.mark.parametrize("command", [[], ["check"], ["metrics"], ["deploy"], ["bench"]])
+def test_help_is_plain_text(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([*command, "-h"])
+    text = capsys.readouterr().out
+    for markup in ("``", "`", "servematrix.", "senders", "CLIENTS", "DEFAULT_VOCAB_SIZE"):
+        assert markup not in text, markup

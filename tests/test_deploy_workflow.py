@@ -362,6 +362,7 @@ def test_interrupted_in_the_middle_of_a_cell(tmp_path, how):
     if how in ("SIGTERM", "Ctrl-C", "SIGINT to Snakemake"):
         line = r"interrupted \(signal SIG(TERM|INT)\); nothing was written"
         assert re.search(line, output), output[-4000:]
+        assert "ignored due to race condition" not in output, output[-4000:]
     if how == "decode crash":
         assert "decode exited with code -9 while serving" in output, output[-3000:]
     if how == "etcd death":
@@ -406,16 +407,16 @@ def test_backend_external_measures_a_running_server_and_starts_nothing(tmp_path)
 
 
 def test_backend_external_on_a_closed_port_says_what_it_waits_for(tmp_path):
-    """At once, on the terminal: what is waited for, where and how long; a port that refuses
-    every connection ends the cell after deploy.refused_timeout_s, not startup_timeout_s."""
+    """First, on the terminal: what is waited for, where and how long; a port that refuses
+    every connection ends the cell after deploy.refused_timeout_s, not startup_timeout_s (the
+    line that ends it says which)."""
     port = _free_base() + 10
     cfg = _config(["single"], [4], refused_timeout_s=3)
     cfg.update(backend="external", base_url=f"http://127.0.0.1:{port}/v1")
     workdir = copy_workflow(tmp_path, cfg)
     cell = config.load(cfg).all_cells()[0].path
-    started = time.monotonic()
     result = _snakemake(workdir, cell)
-    assert result.returncode != 0 and time.monotonic() - started < 60
+    assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("servematrix:")]
     url = f"http://127.0.0.1:{port}"
     assert lines[0] == (

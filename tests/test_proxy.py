@@ -374,11 +374,10 @@ def test_conflicting_content_lengths_are_a_bad_request_not_a_wait(procs: Process
     a = procs.fixed_server("a")
     rr = procs.proxy("rr", "round-robin", "--upstream", a)
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
-    started = time.monotonic()
-    got = raw_exchange(rr, head + b"Content-Length: 30\r\n\r\nabc")
+    # Read until the proxy closes: it answers although the 27 bytes never come.
+    got = raw_exchange(rr, head + b"Content-Length: 30\r\n\r\nabc", done=lambda _: False)
     assert got.startswith(b"HTTP/1.1 400 Bad Request"), got
     assert b"conflicting Content-Length" in got
-    assert time.monotonic() - started < 5.0
     body = json.dumps({**STREAM, "stream": False}).encode()
     same = b"Content-Length: %d\r\n" % len(body)
     got = raw_exchange(
@@ -429,12 +428,14 @@ def test_sigterm_ends_the_proxy_at_once_and_cleanly(procs: Processes) -> None:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
         )
-        assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")  # streaming, slowly
+        got = sock.recv(65536)
+        assert got.startswith(b"HTTP/1.1 200 OK")  # streaming, a chunk a second for 100 s
         process = procs.running["proxy"]
-        start = time.monotonic()
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=10) == 0
-        assert time.monotonic() - start < 5
+        assert process.wait(timeout=60) == 0  # a hang guard, not a timing claim
+        while more := sock.recv(65536):
+            got += more
+    assert b"[DONE]" not in got, "the stream was cut, not waited for"
     assert "Traceback" not in procs.log("proxy")
 
 

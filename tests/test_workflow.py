@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import copy
+import os
 import re
+import signal
+import subprocess
+import sys
 
 import polars as pl
 import pytest
@@ -67,6 +71,37 @@ def test_report_is_self_contained(finished_run):
     html = (finished_run / "results" / "report.html").read_text()
     assert not re.search(r"<script[^>]+src=[\"']https?://", html)
     assert "disagg" in html and "sizes" in html
+
+
+def test_ctrl_c_during_a_report_is_one_line_and_leaves_no_report(finished_run):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while `snakemake --report`
+    works: exit status 130, one servematrix line, no traceback, no report, and the earlier
+    report left alone. (Sent as the DAG is built, a second or more before the report is done:
+    a partly written one is removed too, tests/test_signals.py.)"""
+    earlier = (finished_run / "results" / "report.html").read_bytes()
+    run = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--report", "results/interrupted.zip"],
+        cwd=finished_run,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    seen = []
+    for line in run.stdout:
+        seen.append(line)
+        if line.startswith("Building DAG of jobs"):
+            os.killpg(run.pid, signal.SIGINT)
+            break
+    seen += run.stdout.readlines()
+    assert run.wait() == 130, "".join(seen)
+    output = "".join(seen)
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert [line for line in seen if line.startswith("servematrix")] == [
+        "servematrix: interrupted; the report results/interrupted.zip was not written\n"
+    ]
+    assert not (finished_run / "results" / "interrupted.zip").exists()
+    assert (finished_run / "results" / "report.html").read_bytes() == earlier
 
 
 def test_every_rule_logs(finished_run):

@@ -2,17 +2,9 @@
 
 The same workload (``servematrix.workload``) and client (``servematrix.loadgen``) as a cell of
 the workflow, outside it: the trace has backend ``external`` and is read by
-``servematrix metrics``. Everything that can be checked without the server (flags, dataset
-file, URL) is checked before the server is contacted; nothing is written unless the run ends.
-
-Random prompts are token ids below the model's vocabulary size, which comes from
-``--vocab-size``, else from the model when servematrix knows it (a ``config/config.yaml`` model
-by name or ``hf_id``, a shipped architecture, or a local directory with a ``config.json``),
-else ``DEFAULT_VOCAB_SIZE``: every tokenizer of the models studied here has more ids than that,
-so the prompt is valid for them, though ids above it are never drawn. Text prompts (sonnet,
-jsonl) are counted with the model's tokenizer when it is on this machine (``--tokenizer``, else
-the model's directory or Hugging Face cache), else approximated (see
-``workload.TokenCounter``).
+``servematrix metrics``. ``DESCRIPTION`` is what ``bench -h`` tells a user, in plain text; the
+vocabulary size behind random prompts is ``vocab_size_for``'s, text prompts are counted by
+``workload.TokenCounter``.
 """
 
 from __future__ import annotations
@@ -57,7 +49,7 @@ class BenchError(ValueError):
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and every flag's default (where it has one)."""
+    """The description as written, and every flag's default (where it has one)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None:
@@ -65,15 +57,30 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
         return super()._get_help_string(action)
 
 
+DESCRIPTION = f"""\
+Measure one workload against a running OpenAI-compatible server (vLLM or any other) and write
+it as a trace, the same client and workload a cell of the workflow uses; read the trace with
+"servematrix metrics TRACE". Flags, the dataset file and the URL are checked before the server
+is contacted, and nothing is written unless the run ends.
+
+Random prompts are token ids below the model's vocabulary size: --vocab-size, else the model's
+when servematrix knows it (a model of config/config.yaml by name or hf_id, an architecture
+shipped with servematrix, or a local directory with a config.json), else {DEFAULT_VOCAB_SIZE}
+(every tokenizer of the models studied here has more ids). Text prompts (sonnet, jsonl) are
+counted with the model's tokenizer when it is on this machine (--tokenizer, the model's
+directory or the Hugging Face cache), else approximated (one token per word, digit or other
+sign: close on plain English, short on rare words).
+"""
+
 EPILOG = f"""\
-Defaults are vLLM's benchmark client's (`vllm bench serve`: 1000 prompts of 1024 input and 128
+Defaults are vLLM's benchmark client's (vllm bench serve: 1000 prompts of 1024 input and 128
 output tokens). The workflow's cells use the config's defaults instead (200 prompts of 6 output
 tokens, config/config.yaml); pass --num-prompts 200 --output-len 6 to measure the same workload.
 
 Exit status: {EXIT_OK} every request succeeded; {EXIT_PARTLY_FAILED} the trace is written but some
 requests failed (the last line says how many); {EXIT_FAILED} nothing was measured: a bad flag, no
 server, every request failed, or the server stopped answering during the run (a trace is written
-when requests ran); 2 a flag argparse refuses; {EXIT_INTERRUPTED} interrupted (no trace).
+when requests ran); 2 a flag it does not take; {EXIT_INTERRUPTED} interrupted (no trace).
 """
 
 
@@ -81,7 +88,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser(
         "bench",
         help="measure a running OpenAI-compatible server and write a trace",
-        description=__doc__,
+        description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=_HelpFormatter,
     )
@@ -122,7 +129,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="give up sooner when its port refuses every connection this long",
     )
     bench.add_argument(
-        "--client", choices=("aiohttp", "openai"), default="aiohttp", help="see senders.CLIENTS"
+        "--client",
+        choices=("aiohttp", "openai"),
+        default="aiohttp",
+        help="HTTP client: servematrix's own, or the openai package's (slower per request)",
     )
     bench.add_argument("--vocab-size", type=int, help="random token ids are below this")
     bench.add_argument("--tokenizer", help="tokenizer.json or model directory for text prompts")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from servematrix import __version__, prefixstats, trace
 from servematrix.matrix import Cell, ConfigError
+from servematrix.signals import ignore_further
 from servematrix.trace import CellIdentity, RequestRecord
 
 if TYPE_CHECKING:
@@ -141,8 +142,7 @@ _stopped_by: list[str] = []
 def _on_stop_signal(signum: int, frame: Any) -> None:
     """The first stop signal interrupts the cell; later ones (Ctrl-C reaches a job both from
     the terminal and from Snakemake) are ignored, so that they cannot cut its clean-up short."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_further(STOP_SIGNALS)
     _stopped_by.append(f"signal {signal.Signals(signum).name}")
     raise _Interrupted(_stopped_by[-1])
 

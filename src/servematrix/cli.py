@@ -1,17 +1,18 @@
-"""`servematrix`: inspect a config and a trace without running the workflow."""
+"""servematrix: check a config, print a trace's metrics, print a deployment's commands, or
+measure a running server, without running the workflow."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
-from servematrix import bench, config, metrics, trace
+from servematrix import __version__, bench, config, metrics, trace
 from servematrix.deploy import dryrun as deploy_dryrun
 from servematrix.matrix import ConfigError, gpus_needed
 
@@ -25,9 +26,12 @@ LATENCY_ROWS = (
 
 def _check(args: argparse.Namespace) -> int:
     from servematrix.preflight import warn_step_time_fallbacks
-    from servematrix.workflow import workflow_config  # the workflow's own check, not a copy
+    from servematrix.workflow import (  # the workflow's own check, not a copy
+        parse_overrides,
+        workflow_config,
+    )
 
-    cfg = workflow_config([args.config], _overrides(args.overrides))
+    cfg = workflow_config([args.config], parse_overrides(args.overrides))
     for name, study in cfg.studies.items():
         print(f"{name}: {len(study.cells)} cells ({study.recipe}, x = {study.x})")
     print(f"{len(cfg.all_cells())} distinct cells on backend {cfg.backend}")
@@ -49,14 +53,26 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _overrides(entries: list[str]) -> dict:
-    """``--config KEY=VALUE ...`` parsed exactly as Snakemake parses its own."""
-    from snakemake.cli import parse_config
+def add_overrides(command: argparse.ArgumentParser, file_form: str) -> None:
+    """``--config KEY=VALUE ...``, as Snakemake's ``--config``; a config file is ``file_form``."""
 
-    try:
-        return parse_config(entries)
-    except ValueError as error:
-        raise ConfigError("--config", str(error)) from None
+    def key_value(text: str) -> str:
+        if "=" not in text:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not KEY=VALUE (as snakemake --config); a config file is "
+                f"{file_form.replace('FILE', text)}"
+            )
+        return text
+
+    command.add_argument(
+        "--config",
+        dest="overrides",
+        nargs="+",
+        type=key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="override top-level keys as snakemake --config does (backend=emulator)",
+    )
 
 
 def _metrics(args: argparse.Namespace) -> int:
@@ -95,25 +111,40 @@ def _slo(text: str) -> tuple[str, float]:
 
 
 class _Parser(argparse.ArgumentParser):
-    """A usage error is one line (``-h`` shows the usage)."""
+    """A flag a command does not take is reported by that command, with its usage (argparse
+    reports it as the top level's, ``servematrix: error: unrecognized arguments``)."""
 
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    def parse_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._command(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _command(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(parsed, action.dest, None), self)
+        return self
+
+
+def _version() -> str:
+    """The installed package's version; the source's when run from a checkout (``--sdm conda``
+    imports the workflow's src/ without installing it)."""
+    try:
+        return importlib.metadata.version("servematrix")
+    except importlib.metadata.PackageNotFoundError:
+        return __version__
 
 
 def parser() -> argparse.ArgumentParser:
     top = _Parser(prog="servematrix", description=__doc__)
+    top.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = top.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="validate a config and count its cells")
-    check.add_argument("config", type=Path)
-    check.add_argument(
-        "--config",
-        dest="overrides",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override top-level keys as `snakemake --config` does (backend=emulator)",
-    )
+    check.add_argument("config", type=Path, metavar="FILE")
+    add_overrides(check, "servematrix check FILE")
     check.set_defaults(run=_check)
     show = commands.add_parser("metrics", help="print the metrics of one trace")
     show.add_argument("trace", type=Path)
@@ -126,7 +157,7 @@ def parser() -> argparse.ArgumentParser:
         help="goodput SLO, e.g. ttft=2000",
     )
     show.set_defaults(run=_metrics)
-    deploy_dryrun.add_parser(commands)
+    add_overrides(deploy_dryrun.add_parser(commands), "--configfile FILE")
     bench.add_parser(commands)
     return top
 

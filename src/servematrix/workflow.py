@@ -43,6 +43,16 @@ def merged(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     return base
 
 
+def parse_overrides(entries: Sequence[str]) -> dict[str, Any]:
+    """``--config KEY=VALUE ...`` parsed exactly as Snakemake parses its own."""
+    from snakemake.cli import parse_config
+
+    try:
+        return parse_config(entries)
+    except ValueError as error:
+        raise ConfigError("--config", str(error)) from None
+
+
 def workflow_config(
     configfiles: Sequence[str | Path],
     overrides: Mapping[str, Any],
@@ -76,10 +86,48 @@ def predicted_config(cfg: Config) -> Config | None:
     return check_config({**cfg.raw, "backend": PREDICTING_BACKEND})
 
 
-def report_requested(argv: Sequence[str]) -> bool:
-    """``snakemake --report FILE`` without a run first (``--report-after-run`` runs first)."""
-    report = any(arg == "--report" or arg.startswith("--report=") for arg in argv)
-    return report and "--report-after-run" not in argv
+def requested_report(argv: Sequence[str]) -> str | None:
+    """The FILE of ``snakemake --report [FILE]`` without a run first (``--report-after-run``
+    runs first), else None; FILE as Snakemake's argparse reads it (default report.html)."""
+    if "--report-after-run" in argv:
+        return None
+    for i, arg in enumerate(argv):
+        if arg.startswith("--report="):
+            return arg.partition("=")[2]
+        if arg == "--report":
+            following = argv[i + 1] if i + 1 < len(argv) else "-"
+            return "report.html" if following.startswith("-") else following
+    return None
+
+
+def stop_report_on_interrupt(path: str) -> None:
+    """Ctrl-C while Snakemake plans or writes a report: one line and exit status 130, not the
+    KeyboardInterrupt traceback (Snakemake catches only Exception around a report), and no
+    half-written report (a zip report is written file by file). A report that was there
+    before and is not yet being overwritten is left as it was.
+
+    The process ends at once (``os._exit``): an exception raised wherever Snakemake is (an
+    asyncio loop half built) would print the tracebacks of half-built objects as it unwinds,
+    and a report holds no lock and writes nothing else to clean up."""
+    before = _stat(path)
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if _stat(path) != before:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        print(f"servematrix: interrupted; the report {path} was not written", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+
+def _stat(path: str) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
 
 
 def missing_results(paths: Iterable[str]) -> str | None:

@@ -71,11 +71,13 @@ def format_plan(deployment: Plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    path = args.config
+    from servematrix.workflow import merged, parse_overrides
+
+    path = args.configfile
     if path is None:
         local = Path("config/config.yaml")
         path = local if local.is_file() else config.SCHEMA_PATH.parent / "config.yaml"
-    cfg = config.load_file(path)
+    cfg = config.load(merged(config.read_yaml(path), parse_overrides(args.overrides)))
     if args.recipe is not None and args.recipe not in RECIPES:
         raise ConfigError("--recipe", f"unknown recipe {args.recipe!r} (known: v0, v1)")
     cell = find_cell(cfg, args.model, args.mode, args.recipe)
@@ -89,16 +91,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     deploy = commands.add_parser(
         "deploy", help="print the commands of a deployment (--dry-run; nothing is started)"
     )
     deploy.add_argument("model", help="a model of the config (its name or its hf_id)")
     deploy.add_argument("mode", choices=sorted(MODES))
     deploy.add_argument("--recipe", choices=sorted(RECIPES), help="default: the config's")
-    deploy.add_argument("--config", type=Path, help="default: config/config.yaml")
+    deploy.add_argument(
+        "--configfile", type=Path, metavar="FILE", help="default: config/config.yaml"
+    )
     deploy.add_argument("--backend", choices=("vllm", "emulator"), help="default: vllm")
     deploy.add_argument(
         "--dry-run", action="store_true", required=True, help="print, do not start (required)"
     )
     deploy.set_defaults(run=run)
+    return deploy

@@ -49,6 +49,7 @@ from servematrix.deploy.supervise import (
     wait_quiet,
 )
 from servematrix.matrix import Cell
+from servematrix.signals import ignore_further
 from servematrix.terminal import TERMINAL, WAIT_REPORT_S
 
 log = logging.getLogger(__name__)
@@ -425,8 +426,7 @@ def supervise(run_dir: Path) -> int:
 
     def on_signal(signum: int, frame: Any) -> None:
         # One stop is enough: further signals must not interrupt the stopping itself.
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_further((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
         raise _Stop(signal.Signals(signum).name)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

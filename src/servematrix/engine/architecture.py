@@ -130,6 +130,7 @@ def _offline() -> bool:
 
 def _hub_config_json(repo_id: str) -> Path:
     """``config.json`` of a Hub model from the Hugging Face cache, fetched there on first use."""
+    import httpx2
     import huggingface_hub
     from huggingface_hub import errors
 
@@ -142,16 +143,30 @@ def _hub_config_json(repo_id: str) -> Path:
             "HF_HUB_OFFLINE is set: fetch it once online, or give a path to a local config.json"
         )
     try:
+        # One request, not retried, first: a download whose first request finds no network
+        # retries for ~25 s before it gives up, and then reports the file as missing.
+        huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo_id, "config.json"))
         return Path(huggingface_hub.hf_hub_download(repo_id, "config.json"))
     except errors.GatedRepoError:
         why = "is gated: accept its licence on huggingface.co, then log in (hf auth login)"
     except errors.RepositoryNotFoundError:
         why = "does not exist on the Hugging Face Hub (or is private: log in)"
-    except errors.EntryNotFoundError:
+    except errors.RemoteEntryNotFoundError:
         why = "has no config.json"
-    except (errors.LocalEntryNotFoundError, errors.HfHubHTTPError, OSError) as error:
-        why = f"could not be fetched ({type(error).__name__}: {str(error).splitlines()[0]})"
+    except (httpx2.TransportError, errors.LocalEntryNotFoundError) as error:
+        why = (
+            f"needs its config.json from the Hugging Face Hub, which cannot be reached "
+            f"({_first_line(error)}): connect once (it is cached then), or give the model an "
+            f"`architecture:`, a shipped name ({', '.join(shipped())}) or a local config.json"
+        )
+    except (errors.HfHubHTTPError, OSError) as error:
+        why = f"could not be fetched ({_first_line(error)})"
     raise ArchitectureError(f"Hugging Face model {repo_id!r} {why}")
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def unsupported_feature(config: dict[str, Any]) -> str | None:
