@@ -336,7 +336,7 @@ def engine_steps(input_len: int, output_len: int) -> list[float]:
 def test_server_timestamps_follow_the_engine_step_times():
     """One request alone: due times are the engine's step ends, and no chunk leaves before its
     due time; under load too, every chunk of every request is written, in order, none early.
-    How long after its due time a chunk leaves is wall-clock time: benchmarks/emulator_timing.py
+    How long after its due time a chunk leaves is wall-clock time: benchmarks/wall_clock.py
     prints it."""
     with emulator("--jitter-cv", "0") as (url, _):
         post(url, stream_body(list(range(1024)), 20, **USAGE), "solo")
@@ -439,7 +439,7 @@ def test_emulator_vs_simulator_benchmark_smoke():
 def test_sigterm_with_a_stream_in_flight_cuts_it_and_exits_cleanly():
     """A stopped deployment must not linger: on SIGTERM the emulator cuts the stream still in
     flight (aiohttp would otherwise keep serving it for up to 60 s) and exits with status 0.
-    How soon is wall-clock time: benchmarks/emulator_timing.py prints it."""
+    How soon is wall-clock time: benchmarks/wall_clock.py prints it."""
 
     async def stream_until_cut(url: str, process: subprocess.Popen) -> bytes:
         async with aiohttp.ClientSession() as session:
