@@ -95,18 +95,15 @@ def main() -> None:
                   f"{doc['probe_requests']:>8} {time.perf_counter() - started:>7.1f}")  # fmt: skip
         doc, cfg = search(200)
         (cells,) = capacity_run.deployments(cfg.studies["holds"].cells).values()
-        print(f"\nlong runs of {args.long_s:g} s at the capacity of {doc['capacity_rps']:g} req/s")
-        print(f"{'rate':<12} {'req/s':>7} {'requests':>8} {'steady':<24} {'SLO':<40}")
-        rates = [(f"{f:.1f} x", doc["capacity_rps"] * f) for f in (0.9, 1.2)]
+        print(f"\nlong runs of {args.long_s:g} s at the capacity of {doc['capacity']:g} req/s")
+        print(f"{'rate':<12} {'req/s':>7} {'requests':>8} {'SLO':<40}")
+        rates = [(f"{f:.1f} x", doc["capacity"] * f) for f in (0.9, 1.2)]
         rates += [("given", rate) for rate in args.check_rps]
+        long = {"min_duration_s": args.long_s, "tail_requests": steady.TAIL_REQUESTS}
         for label, rate in rates:
-            cell = capacity_run.at_rate(cells[0], rate, round(rate * args.long_s))
-            verdict = steady.judge(capacity_run.run_cell(cell, cell.path), cfg.slo)
-            state = verdict.steadiness
-            met = "met" if verdict.met else "broken: " + ", ".join(verdict.broken)
-            steady_text = "yes" if state.steady else f"no ({state.reason})"
-            print(f"{label:<12} {rate:>7.2f} {cell.workload.num_prompts:>8} "
-                  f"{steady_text:<24} {met:<40}")  # fmt: skip
+            probe = capacity_run.probe_at(cells[0], rate, cfg.slo, long)
+            met = "met" if probe.met else "broken: " + ", ".join(probe.broken)
+            print(f"{label:<12} {rate:>7.2f} {probe.requests:>8} {met:<40}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -29,8 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from servematrix import capacity_run, config, steady
-from servematrix.cell import run_cell
+from servematrix import capacity_run, config
 from servematrix.deploy.order import stop_deployments
 from servematrix.matrix import Config
 from servematrix.workflow import check_config
@@ -63,11 +62,11 @@ def simulator_table(cfg: Config) -> None:
                     "tail_requests": 2 * _settings(cfg)["tail_requests"],
                 },
             )
-            change = doubled["capacity_rps"] / doc["capacity_rps"] - 1 if doc["capacity_rps"] else 0
+            change = doubled["capacity"] / doc["capacity"] - 1 if doc["capacity"] else 0
             s = doc["searches"][0]
-            failing = "none" if s["failing_rps"] is None else f"{s['failing_rps']:g}"
-            bracket = f"[{s['capacity_rps']:g}, {failing}]"
-            ceiling = f"{doc['ceiling_rps']:.1f}" if doc["ceiling_rps"] else "-"
+            failing = "none" if s["failing_level"] is None else f"{s['failing_level']:g}"
+            bracket = f"[{s['capacity_level']:g}, {failing}]"
+            ceiling = f"{doc['ceiling']:.1f}" if doc["ceiling"] else "-"
             print(f"{name:<16} {doc['model']:<30} {doc['mode']:<14} {doc['input_len']:>5} "
                   f"{doc['capacity_per_gpu']:>8.3f} {bracket:>15} {ceiling:>8} "
                   f"{doc['breaks_first']!s:<16} {doc['probes']:>6} "
@@ -90,19 +89,18 @@ def emulator_table(cfg: Config, study: str, long_s: float) -> None:
         strict=True,
     )
     for sim_cells, cells in pairs:
-        hint = capacity_run.search_deployment(sim_cells, cfg.slo, _settings(twin))["capacity_rps"]
+        hint = capacity_run.search_deployment(sim_cells, cfg.slo, _settings(twin))["capacity_level"]
         started = time.perf_counter()
         doc = capacity_run.search_deployment(cells, cfg.slo, settings, hint or None)
         per_probe_s = (time.perf_counter() - started) / max(doc["probes"], 1)
         runs = []
         for factor in (0.9, 1.2):
-            rate = doc["capacity_rps"] * factor
-            cell = capacity_run.at_rate(cells[0], rate, max(round(rate * long_s), 50))
-            verdict = steady.judge(run_cell(cell, cell.path), cfg.slo, settings["tail_requests"])
+            long = {**settings, "min_duration_s": long_s}
+            verdict = capacity_run.probe_at(cells[0], doc["capacity_level"] * factor, cfg.slo, long)
             runs.append("met" if verdict.met else "broken: " + verdict.broken[0])
         first = cells[0]
         print(f"{first.model.name:<30} {first.mode.name:<10} {hint:>9.3g} "
-              f"{doc['capacity_rps']:>8.3g} {doc['probes']:>6} {per_probe_s:>7.1f} "
+              f"{doc['capacity_level']:>8.3g} {doc['probes']:>6} {per_probe_s:>7.1f} "
               f"{runs[0]:<22} {runs[1]:<22}")  # fmt: skip
 
 

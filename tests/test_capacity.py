@@ -5,18 +5,19 @@ from __future__ import annotations
 import json
 import math
 
+import pyarrow.compute as pc
 import pytest
 
-from servematrix import capacity, capacity_run, config, intervals
+from servematrix import capacity, capacity_run, config, intervals, trace
 from servematrix.capacity import Probe
 from servematrix.slo import Slo
 
 
-def edge_probe(edge_rps: float, calls: list[float]):
-    def probe(rate: float) -> Probe:
-        calls.append(rate)
-        met = rate <= edge_rps
-        return Probe(rate, met, () if met else ("P99 TTFT",), rate * 6, "")
+def edge_probe(edge: float, calls: list[float]):
+    def probe(level: float) -> Probe:
+        calls.append(level)
+        met = level <= edge
+        return Probe(level, met, () if met else ("P99 TTFT",), level * 6, "")
 
     return probe
 
@@ -25,8 +26,8 @@ def edge_probe(edge_rps: float, calls: list[float]):
 def test_blind_search_brackets_then_bisects_to_the_tolerance(edge):
     calls: list[float] = []
     found = capacity.search(edge_probe(edge, calls), 1.0, tolerance=0.02, max_probes=40)
-    assert found.capacity_rps <= edge < found.failing_rps
-    assert found.failing_rps - found.capacity_rps <= 0.02 * found.capacity_rps + 0.01
+    assert found.capacity <= edge < found.failing
+    assert found.failing - found.capacity <= 0.02 * found.capacity + 0.01
     assert found.breaks_first == ("P99 TTFT",)
     assert len(calls) == len(found.probes) == len(set(calls))
 
@@ -35,7 +36,7 @@ def test_a_search_from_a_close_hint_needs_fewer_probes():
     blind, warm = [], []
     capacity.search(edge_probe(5.3, blind), 1.0, capacity.BLIND_FACTOR, max_probes=40)
     found = capacity.search(edge_probe(5.3, warm), 4.9, capacity.WARM_FACTOR, max_probes=40)
-    assert found.capacity_rps <= 5.3 < found.failing_rps
+    assert found.capacity <= 5.3 < found.failing
     assert len(warm) < len(blind)
 
 
@@ -47,19 +48,19 @@ def test_the_probe_budget_holds():
 
 def test_never_met_is_capacity_zero_and_never_broken_is_open():
     never = capacity.search(edge_probe(0.0, []), 1.0, max_probes=40)
-    assert never.capacity_rps == 0.0 and never.failing_rps == capacity.MIN_RATE_RPS
+    assert never.capacity == 0.0 and never.failing == capacity.MIN_LEVEL
     assert not never.limited
     always = capacity.search(edge_probe(1e9, []), 1.0, max_probes=40)
-    assert always.failing_rps is None and always.capacity_rps == capacity.MAX_RATE_RPS
+    assert always.failing is None and always.capacity == capacity.MAX_LEVEL
     assert always.limited
 
 
 def test_a_search_stops_at_its_limit_and_says_so():
     calls: list[float] = []
-    found = capacity.search(edge_probe(1e9, calls), 3.0, max_probes=40, limit_rps=20.0)
-    assert max(calls) == 20.0 and found.capacity_rps == 20.0 and found.limited
-    below = capacity.search(edge_probe(7.0, []), 3.0, max_probes=40, limit_rps=20.0)
-    assert not below.limited and below.capacity_rps <= 7.0 < below.failing_rps
+    found = capacity.search(edge_probe(1e9, calls), 3.0, max_probes=40, limit=20.0)
+    assert max(calls) == 20.0 and found.capacity == 20.0 and found.limited
+    below = capacity.search(edge_probe(7.0, []), 3.0, max_probes=40, limit=20.0)
+    assert not below.limited and below.capacity <= 7.0 < below.failing
 
 
 def test_intervals_and_cost():
@@ -101,12 +102,14 @@ def test_a_deployment_search_writes_its_probes_as_cells_and_reuses_them(
     probes = document["searches"][0]["probes"]
     assert all((tmp_path / p["trace"]).is_file() for p in probes)
     # Each probe sends 60 s of arrivals at its rate, or the 5 x 100 + ramp a P99 needs.
-    assert all(p["requests"] == max(math.ceil(p["rate_rps"] * 60), 625) for p in probes)
+    assert all(p["requests"] == max(math.ceil(p["level"] * 60), 625) for p in probes)
     assert document["searches"][0]["scout_probes"]  # the first guess came from a scout
-    assert document["capacity_rps"] > 0 and document["cost_per_mtok_usd"] > 0
-    assert 0 < document["capacity_rps"] < document["ceiling_rps"]
-    at = next(p for p in probes if p["rate_rps"] == document["capacity_rps"])
-    tokens_per_request = at["output_tokens_per_s"] / document["capacity_rps"]
+    assert document["load"] == "rate" and document["capacity_unit"] == "req/s"
+    assert document["capacity"] > 0 and document["cost_per_mtok_usd"] > 0
+    assert 0 < document["capacity"] < document["ceiling"]
+    at = next(p for p in probes if p["level"] == document["capacity"])
+    assert at["requests_per_s"] == pytest.approx(document["capacity"], rel=0.05)
+    tokens_per_request = at["output_tokens_per_s"] / document["capacity"]
     assert tokens_per_request == pytest.approx(6, rel=0.1)  # capacity x mean output
     capacity_run.write_deployment(document, path)
     written = {p["trace"]: (tmp_path / p["trace"]).stat().st_mtime_ns for p in probes}
@@ -114,7 +117,7 @@ def test_a_deployment_search_writes_its_probes_as_cells_and_reuses_them(
     assert again["searches"] == document["searches"]
     assert {t: (tmp_path / t).stat().st_mtime_ns for t in written} == written  # reused, not rerun
     table = capacity_run.study_table([path])
-    assert table.row(0, named=True)["capacity_per_gpu"] == document["capacity_rps"] / 2
+    assert table.row(0, named=True)["capacity_per_gpu"] == document["capacity"] / 2
     assert json.loads((tmp_path / path).read_text())["gpus"] == 2
 
 
@@ -128,13 +131,58 @@ def test_a_deployments_capacity_does_not_depend_on_the_studys_num_prompts(
         cfg = config.load(small_config)
         ((path, cells),) = capacity_run.deployments(cfg.studies["sizes"].cells[:1]).items()
         document = capacity_run.search_deployment(cells, cfg.slo, cfg.raw["capacity"])
-        answers.add((path, document["capacity_rps"]))
+        answers.add((path, document["capacity"]))
     assert len(answers) == 1
 
 
-def test_a_concurrency_capped_workload_has_no_capacity_search(small_config):
+def test_an_integer_axis_searches_whole_levels_from_one():
+    calls: list[float] = []
+    found = capacity.search(edge_probe(13.4, calls), 1.0, max_probes=40, integer=True)
+    assert found.capacity == 13 and found.failing == 14
+    assert all(level == int(level) >= 1 for level in calls)
+    never = capacity.search(edge_probe(0.5, []), 4.0, max_probes=40, integer=True)
+    assert never.capacity == 0 and never.failing == 1
+
+
+def test_a_closed_loop_capacity_is_in_concurrent_users(small_config, tmp_path, monkeypatch):
+    """``max_concurrency``: the search raises the users (each sends its next request when the
+    last is answered), every probe runs at least the duration, and the capacity is users."""
+    monkeypatch.chdir(tmp_path)
     small_config["studies"]["disagg"]["workload"] = {"max_concurrency": 4}
     cfg = config.load(small_config)
-    assert capacity_run.deployments(cfg.studies["disagg"].cells) == {}
-    assert len(capacity_run.deployments(cfg.studies["sizes"].cells)) == 4
-    assert capacity_run.study_table([]).is_empty()
+    deployments = capacity_run.deployments(cfg.studies["disagg"].cells)
+    path, cells = next(iter(deployments.items()))
+    assert path.endswith("/nondisagg/in1024_out6_users.json")
+    document = capacity_run.search_deployment(cells, cfg.slo, cfg.raw["capacity"])
+    assert document["load"] == "users" and document["capacity_unit"] == "users"
+    assert document["capacity"] == int(document["capacity"]) > 0
+    assert document["capacity"] <= 2 * document["ceiling"]
+    probes = document["searches"][0]["probes"]
+    for probe in probes:
+        table = trace.read(probe["trace"])
+        cell = trace.metadata_of(table.schema, probe["trace"])["cell"]["workload"]
+        assert cell["max_concurrency"] == probe["level"] and cell["qps"] == "inf"
+        sent = table.filter(~pc.field("warmup"))["sent_s"].to_numpy()
+        assert sent.max() - sent.min() >= 60  # the duration, lengthened from the rate it got
+    at = next(p for p in probes if p["level"] == document["capacity"])
+    assert document["requests_per_s"] == at["requests_per_s"] > 0
+    above = next(p for p in probes if p["level"] == document["searches"][0]["failing_level"])
+    assert above["broken"] and "throughput below offered" not in above["broken"]
+
+
+def test_a_sessions_capacity_is_in_concurrent_sessions(small_config, tmp_path, monkeypatch):
+    """Sessions arrive on a schedule and run their turns: the search raises the arrival rate
+    and reports the sessions in progress it holds (Little's law over the steady window)."""
+    monkeypatch.chdir(tmp_path)
+    sessions = {"users": 4, "turns": 3, "think_time_s": 2.0}
+    small_config["studies"]["sizes"]["workload"] = {"sessions": sessions}
+    cfg = config.load(small_config)
+    path, cells = next(iter(capacity_run.deployments(cfg.studies["sizes"].cells).items()))
+    assert "_sess3-t2" in path  # the deployment leaves the number of sessions out
+    document = capacity_run.search_deployment(cells, cfg.slo, cfg.raw["capacity"])
+    assert document["load"] == "sessions" and document["level_unit"] == "sessions/s"
+    level, concurrent = document["capacity_level"], document["capacity"]
+    # Little's law: concurrent sessions = arrival rate x session lifetime; a session of three
+    # turns lives at least its two think times (mean 2 s each, exponential).
+    assert concurrent > level * 2.0
+    assert document["requests_per_s"] == pytest.approx(3 * level, rel=0.15)

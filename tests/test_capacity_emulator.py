@@ -63,14 +63,14 @@ def test_a_server_failing_requests_is_never_recommended(tmp_path, monkeypatch):
     ).items()
     settings = cfg.raw["capacity"]
     monkeypatch.setenv("SERVEMATRIX_EMULATOR_FAIL_FRACTION", "0.05")
-    broken = capacity_run.search_deployment(failing, cfg.slo, settings, hint_rps=4.0)
+    broken = capacity_run.search_deployment(failing, cfg.slo, settings, hint=4.0)
     monkeypatch.delenv("SERVEMATRIX_EMULATOR_FAIL_FRACTION")
-    sound = capacity_run.search_deployment(healthy, cfg.slo, settings, hint_rps=4.0)
+    sound = capacity_run.search_deployment(healthy, cfg.slo, settings, hint=4.0)
 
     # Without an attainment, a failed request breaks the SLO at every rate, however fast the
     # served ones were (5 % failures are under what the P90 bound would let through).
-    assert broken["capacity_rps"] == 0 and broken["breaks_first"] == "failed requests"
-    assert sound["capacity_rps"] > 0
+    assert broken["capacity"] == 0 and broken["breaks_first"] == "failed requests"
+    assert sound["capacity"] > 0
     capacity_run.write_deployment(broken, failing_path)
     capacity_run.write_deployment(sound, healthy_path)
     (ranking,) = rankings(capacity_run.study_table([failing_path, healthy_path]), "models")
@@ -79,8 +79,8 @@ def test_a_server_failing_requests_is_never_recommended(tmp_path, monkeypatch):
     # With an attainment of 0.97 the same probes (reused, not rerun) miss it: a failed request
     # meets no bound.
     with_attainment = Slo.from_config({**SLO, "attainment": 0.97})
-    again = capacity_run.search_deployment(failing, with_attainment, settings, hint_rps=4.0)
-    assert again["capacity_rps"] == 0
+    again = capacity_run.search_deployment(failing, with_attainment, settings, hint=4.0)
+    assert again["capacity"] == 0
     assert {p["trace"] for p in again["searches"][0]["probes"]} <= {
         p["trace"] for p in broken["searches"][0]["probes"]
     }

@@ -496,11 +496,12 @@ def test_overlapping_intervals_are_the_same_within_noise() -> None:
 def capacity_row(model: str, mode: str, rate: float, gpus: int = 2, **overrides) -> dict:
     row = {
         "model": model, "mode": mode, "recipe": "v0", "input_len": 1024, "output_len": 6,
-        "gpus": gpus, "repeats": 1, "capacity_rps": rate, "capacity_lo_rps": rate,
-        "capacity_hi_rps": rate * 1.02, "capacity_per_gpu": rate / gpus,
+        "gpus": gpus, "repeats": 1, "capacity": rate, "capacity_lo": rate,
+        "capacity_hi": rate * 1.02, "capacity_per_gpu": rate / gpus,
         "output_tokens_per_s_per_gpu": rate * 6 / gpus, "breaks_first": "P99 TPOT",
         "cost_per_mtok_usd": 2.0 * gpus / 3600 / (rate * 6) * 1e6, "probes": 9,
-        "probe_requests": 7000, "search_wall_s": 0.2,
+        "probe_requests": 7000, "search_wall_s": 0.2, "capacity_unit": "req/s",
+        "level_unit": "req/s", "ceiling": None,
     }  # fmt: skip
     return row | overrides
 
@@ -537,7 +538,7 @@ def test_the_recommendation_comes_first_with_its_numbers() -> None:
     assert [r[1] for r in detail.tables[0].rows] == ["chunked", "nondisagg", "mooncake-rdma"]
     assert detail.tables[0].rows[0][4:6] == ["10.5", "[10.5, 10.7]"]
     same = pl.DataFrame(
-        [capacity_row("a", "single", 10.0, capacity_hi_rps=12.0), capacity_row("b", "single", 11.0)]
+        [capacity_row("a", "single", 10.0, capacity_hi=12.0), capacity_row("b", "single", 11.0)]
     )
     tied = study_findings(
         pl.DataFrame([cell(n, "single", 2, 100.0) for n in "ab"]), "t", "qps", same, context
@@ -551,7 +552,7 @@ def test_other_input_lengths_get_a_ranking_each() -> None:
             capacity_row("small", "single", 7.0, gpus=1),
             capacity_row("big", "single", 2.0, gpus=4),
             capacity_row("small", "single", 0.5, gpus=1, input_len=4096),
-            capacity_row("big", "single", 0.45, gpus=1, input_len=4096, capacity_hi_rps=0.6),
+            capacity_row("big", "single", 0.45, gpus=1, input_len=4096, capacity_hi=0.6),
         ]
     )
     rows = [
@@ -615,13 +616,13 @@ def test_a_modes_study_recommends_per_model_never_across_models() -> None:
 
 def test_no_flip_is_claimed_when_the_winner_is_the_same() -> None:
     same_winner = [
-        r | {"capacity_rps": 30.0, "capacity_lo_rps": 30.0, "capacity_hi_rps": 30.6}
+        r | {"capacity": 30.0, "capacity_lo": 30.0, "capacity_hi": 30.6}
         if (r["model"], r["mode"]) == ("Qwen2.5-7B", "chunked")
         else r
         for r in MODES_BY_MODEL
     ]
     capacity = pl.DataFrame(same_winner).with_columns(
-        (pl.col("capacity_rps") / pl.col("gpus")).alias("capacity_per_gpu")
+        (pl.col("capacity") / pl.col("gpus")).alias("capacity_per_gpu")
     )
     context = Context("P99 TTFT ≤ 2000 ms", "Caveat.")
     summary = modes_summary().with_columns(mean_e2el_ms=pl.lit(150.0))

@@ -32,10 +32,11 @@ CAPACITY = pl.DataFrame(
         "mode": ["chunked", "nondisagg"],
         "input_len": [1024, 1024],
         "gpus": [2, 2],
-        "capacity_rps": [21.0, 17.5],
-        "capacity_lo_rps": [21.0, 17.5],
-        "capacity_hi_rps": [21.2, 17.8],
+        "capacity": [21.0, 17.5],
+        "capacity_lo": [21.0, 17.5],
+        "capacity_hi": [21.2, 17.8],
         "capacity_per_gpu": [10.5, 8.75],
+        "capacity_unit": ["req/s", "req/s"],
         "breaks_first": ["P99 TPOT", "P99 TPOT"],
     }
 )

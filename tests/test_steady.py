@@ -115,3 +115,26 @@ def test_a_run_shorter_than_twice_its_latency_is_too_short_to_judge():
     slow = run(n=100, ttft_s=lambda sent: np.full(len(sent), 8.0))
     state = steady.steadiness(steady.measured_frame(slow))
     assert state.reason == steady.TOO_SHORT and not state.steady
+
+
+def test_a_closed_loop_offers_what_it_is_served_so_only_its_queue_and_slo_count():
+    # Every request was due at t = 0 (the client held each back for a free slot), and each
+    # takes 4 s: read as a schedule, the window's last 4 s of sends look unserved.
+    held = run(n=400, ttft_s=lambda sent: np.full(len(sent), 4.0))
+    held = held.with_columns(scheduled_s=pl.lit(0.0))
+    assert steady.steadiness(steady.measured_frame(held)).reason == steady.BELOW_OFFERED
+    closed = steady.shape_of({"max_concurrency": 20, "qps": "inf"})
+    loose = Slo.from_config({"ttft": {"statistic": "p99", "max_ms": 5000}})
+    verdict = steady.judge(held, loose, tail_requests=1, shape=closed)
+    assert verdict.met and verdict.requests_per_s == pytest.approx(10, rel=0.15)
+
+
+def test_a_sessions_window_ends_at_the_last_session_to_arrive():
+    """The later turns of sessions begun before the last arrival follow with nothing new
+    arriving (the sessions' drain): out of the window."""
+    frame = run(n=1000)
+    shape = steady.shape_of({"sessions": {"users": 600, "turns": 2, "think_time_s": 1.0}})
+    last_arrival = frame["sent_s"][599]
+    window = steady.steady_window(steady.measured_frame(frame), shape)
+    assert window["sent_s"].max() == last_arrival
+    assert window.height == 600 - 200

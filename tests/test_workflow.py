@@ -49,7 +49,7 @@ def test_all_builds_every_output_of_every_study(finished_run):
     assert len(list((base / "cells").rglob("*.parquet"))) > len(configured)
     for study, deployments in (("disagg", 2), ("sizes", 4)):
         table = pl.read_parquet(base / "capacity" / f"{study}.parquet")
-        assert table.height == deployments and (table["capacity_rps"] > 0).all()
+        assert table.height == deployments and (table["capacity"] > 0).all()
     for study, rows in (("disagg", 4), ("sizes", 4)):
         summary = pl.read_parquet(base / "summary" / f"{study}.parquet")
         assert summary.height == rows
@@ -199,7 +199,8 @@ def test_default_config_plans_every_study(tmp_path, default_config):
 
 def test_a_capped_study_at_qps_inf_runs_end_to_end(tmp_path, small_config):
     """A study with max_concurrency and qps .inf: its cells get their own paths and traces
-    that honour the cap; summary, figures and findings are built from them."""
+    that honour the cap; summary, figures and findings are built from them, and its capacity
+    is in concurrent users."""
     small_config["studies"] = {
         "capped": {
             "recipe": "v0",
@@ -215,7 +216,7 @@ def test_a_capped_study_at_qps_inf_runs_end_to_end(tmp_path, small_config):
     run = snakemake(workdir, "--cores", "1", "all")
     assert run.returncode == 0, run.stderr[-3000:]
     base = workdir / "results" / "simulator"
-    cells = sorted(p.relative_to(base).as_posix() for p in base.glob("cells/**/*.parquet"))
+    cells = sorted(p.relative_to(base).as_posix() for p in base.glob("cells/**/*_n20_*.parquet"))
     folder = "cells/v0/Qwen2.5-7B-Instruct-GPTQ-Int4/single"
     assert cells == [
         f"{folder}/qps4_in512_out6_n20_s0_c4.parquet",
@@ -237,3 +238,6 @@ def test_a_capped_study_at_qps_inf_runs_end_to_end(tmp_path, small_config):
     assert (summary["completed"] == 20).all()
     assert (base / "figures" / "capped" / "ttft.svg").is_file()
     assert "QPS inf" in (base / "findings" / "capped.md").read_text()
+    capacity = pl.read_parquet(base / "capacity" / "capped.parquet")
+    assert capacity["capacity_unit"].to_list() == ["users"] and capacity["capacity"][0] >= 1
+    assert " users per GPU" in (base / "findings" / "capped.md").read_text()

@@ -108,8 +108,8 @@ STEADY_COLUMNS = {"steady": pl.Boolean(), "steady_reason": pl.String()}
 queue: its latencies depend on how long the run was)."""
 
 
-def steady_summary(table: pa.Table) -> dict[str, Any]:
-    state = steady.steadiness(steady.measured_frame(table))
+def steady_summary(table: pa.Table, workload: Mapping[str, Any]) -> dict[str, Any]:
+    state = steady.steadiness(steady.measured_frame(table), steady.shape_of(workload))
     return {"steady": state.steady, "steady_reason": state.reason or None}
 
 
@@ -181,7 +181,7 @@ def table_summary_row(
         **preemption_summary(table),
         **prefixstats.summary_columns(metadata.get("prefix_cache") or {}),
         **turn_summary(table, workload),
-        **steady_summary(table),
+        **steady_summary(table, workload),
         **dict.fromkeys(intervals.INTERVAL_COLUMNS),
         **(
             intervals.bootstrap_columns(metrics.latencies_of(_served(table)))

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +30,9 @@ import pyarrow as pa
 
 from servematrix import aggregate, capacity, intervals, steady, trace
 from servematrix.cell import run_cell
-from servematrix.engine.ceiling import ceiling_rps
-from servematrix.engine.setup import cell_engine_setup
 from servematrix.files import write_text
-from servematrix.matrix import PREDICTING_BACKEND, Cell, Config, workload_token
+from servematrix.loads import axis_of
+from servematrix.matrix import PREDICTING_BACKEND, Cell, Config
 from servematrix.slo import Slo
 
 log = logging.getLogger(__name__)
@@ -49,25 +46,19 @@ SIMULATED_DURATION_S = 600.0
 MEASURED_DURATION_S = 120.0
 """``capacity.min_duration_s`` when the config leaves it out: virtual time is cheap (a
 600 s probe of thousands of requests simulates in well under a second); wall time is not."""
-MIN_PROBE_REQUESTS = 50
 SCOUT_TOLERANCE = 0.2
 """A scouting search stops once its bracket is this narrow (its short probes are noisier)."""
 CEILING_MARGIN = 2.0
 """The search probes up to this multiple of the physical ceiling (an upper bound that mixed
 steps or cached prefixes may beat) before it says the SLO never broke."""
+RESIZES = 2
+"""A closed-loop probe shorter than the duration is lengthened at most this many times."""
 
 
 def deployment_token(cell: Cell) -> str:
-    """The workload's file name without its rate, request count and seed (``in1024_out6``,
-    then the workload's suffixes)."""
-    w = cell.workload
-    head = f"qps{w.qps:g}_in{w.input_len}_out{w.output_len}_n{w.num_prompts}_s{w.seed}"
-    suffixes = workload_token(w).removeprefix(head)
-    return (
-        f"in{w.input_len}_out{w.output_len}"
-        + suffixes
-        + ("_apc" if cell.serving.prefix_caching else "")
-    )
+    """The workload's file name without its load level, request count and seed (``in1024_out6``,
+    then the workload's suffixes; `servematrix.loads`)."""
+    return axis_of(cell).token(cell) + ("_apc" if cell.serving.prefix_caching else "")
 
 
 def deployment_path(cell: Cell) -> str:
@@ -78,19 +69,14 @@ def deployment_path(cell: Cell) -> str:
 
 
 def deployments(cells: Iterable[Cell]) -> dict[str, list[Cell]]:
-    """Deployment document path → one template cell per seed (its rate and request count
-    set to 1: each probe sets its own), in a stable order. So the search, and the rule that
-    runs it, depend on the deployment alone, not on the rates or ``num_prompts`` a study
-    lists.
-
-    A workload with ``max_concurrency`` is left out: its client holds requests back, so a
-    higher offered rate is not more load and there is no rate at which the SLO breaks."""
+    """Deployment document path → one template cell per seed (its load level and request
+    count neutral: each probe sets its own), in a stable order. So the search, and the rule
+    that runs it, depend on the deployment alone, not on the rates or ``num_prompts`` a
+    study lists."""
     found: dict[str, list[Cell]] = {}
     for cell in cells:
-        if cell.workload.max_concurrency is not None:
-            continue
         group = found.setdefault(deployment_path(cell), [])
-        template = at_rate(cell, 1.0, 1)
+        template = axis_of(cell).template(cell)
         if template not in group:
             group.append(template)
     return found
@@ -112,21 +98,13 @@ def _reusable(cell: Cell) -> pa.Table | None:
     return table if reusable else None
 
 
-def probe_cell(cell: Cell, slo: Slo, tail_requests: int = steady.TAIL_REQUESTS) -> capacity.Probe:
-    """Run (or reuse) one probe cell and judge its steady window against the SLO."""
+def run_probe(cell: Cell) -> pa.Table:
+    """Run (or reuse) one probe cell."""
     table = _reusable(cell)
     if table is None:
         log.info("probe %s (%d requests)", cell.path, cell.workload.num_prompts)
         table = run_cell(cell, cell.path)
-    verdict = steady.judge(table, slo, tail_requests)
-    return capacity.Probe(
-        cell.workload.qps,
-        verdict.met,
-        verdict.broken,
-        verdict.output_tokens_per_s,
-        cell.path,
-        cell.workload.num_prompts,
-    )
+    return table
 
 
 def min_duration_s(cell: Cell, settings: Mapping[str, Any]) -> float:
@@ -136,45 +114,28 @@ def min_duration_s(cell: Cell, settings: Mapping[str, Any]) -> float:
     return SIMULATED_DURATION_S if cell.backend == PREDICTING_BACKEND else MEASURED_DURATION_S
 
 
-def probe_requests(
-    rate_rps: float, slo: Slo, duration_s: float, tail_requests: int = steady.TAIL_REQUESTS
-) -> int:
-    """Requests a probe at ``rate_rps`` sends: ``duration_s`` of arrivals, and at least enough
-    that the steady window (after the ramp) holds what the SLO's percentiles need."""
-    window = max(
-        (
-            steady.requests_needed(steady.percentile_of(b.statistic), tail_requests)
-            for b in slo.bounds
-            if b.statistic != "mean"
-        ),
-        default=0,
-    )
-    for_window = math.ceil(window / (1 - steady.RAMP_FRACTION))
-    return max(math.ceil(rate_rps * duration_s), for_window, MIN_PROBE_REQUESTS)
-
-
-def at_rate(cell: Cell, rate_rps: float, num_prompts: int | None = None) -> Cell:
-    workload = replace(cell.workload, qps=float(rate_rps))
-    if num_prompts is not None:
-        workload = replace(workload, num_prompts=num_prompts)
-    return replace(cell, workload=workload)
-
-
-def probe_at(cell: Cell, rate_rps: float, slo: Slo, settings: Mapping[str, Any]) -> capacity.Probe:
-    """One probe of the deployment whose cell this is, sized by the search's settings."""
+def probe_at(template: Cell, level: float, slo: Slo, settings: Mapping[str, Any]) -> capacity.Probe:
+    """One probe of the deployment at a load level, sized by the search's settings and
+    judged over its steady window against the SLO."""
+    axis = axis_of(template)
     tail = int(settings.get("tail_requests", steady.TAIL_REQUESTS))
-    requests = probe_requests(rate_rps, slo, min_duration_s(cell, settings), tail)
-    return probe_cell(at_rate(cell, rate_rps, requests), slo, tail)
-
-
-def deployment_ceiling_rps(cell: Cell) -> float | None:
-    """The physical ceiling (``servematrix.engine.ceiling``) of a simulated deployment; None
-    for a measured one, whose hardware the simulator's tables need not describe."""
-    if cell.backend != PREDICTING_BACKEND:
-        return None
-    w, mode = cell.workload, cell.mode
-    return ceiling_rps(
-        cell_engine_setup(cell), w.input_len, w.output_len, mode.instances, mode.disaggregated
+    duration_s = min_duration_s(template, settings)
+    cell = axis.probe_cell(template, level, slo, duration_s, tail)
+    table = run_probe(cell)
+    for _ in range(RESIZES):
+        longer = axis.resize(cell, table, duration_s)
+        if longer is None:
+            break
+        cell, table = longer, run_probe(longer)
+    verdict = steady.judge(table, slo, tail, steady.shape_of(cell.to_dict()["workload"]))
+    return capacity.Probe(
+        level,
+        verdict.met,
+        verdict.broken,
+        verdict.output_tokens_per_s,
+        cell.path,
+        cell.workload.num_prompts,
+        verdict.requests_per_s,
     )
 
 
@@ -190,65 +151,90 @@ def scout_settings(settings: Mapping[str, Any], cell: Cell) -> dict[str, Any]:
 
 
 def search_seed(
-    cells: list[Cell], slo: Slo, settings: Mapping[str, Any], hint_rps: float | None = None
+    cells: list[Cell], slo: Slo, settings: Mapping[str, Any], hint: float | None = None
 ) -> tuple[capacity.Search | None, capacity.Search]:
     """One seed's search: (the scouting search, the search). The search steps ``WARM_FACTOR``
-    around a first guess: the simulator's capacity (``hint_rps``), else a scouting search's,
+    around a first guess: the simulator's capacity level (``hint``), else a scouting search's,
     which brackets the capacity with short probes, doubling from half the physical ceiling
-    or, without one, from 1 req/s."""
+    or, without one, from 1."""
     template = cells[0]
-    ceiling = deployment_ceiling_rps(template)
-    limit = CEILING_MARGIN * ceiling if ceiling else capacity.MAX_RATE_RPS
+    axis = axis_of(template)
+    ceiling = axis.ceiling(template)
+    limit = CEILING_MARGIN * ceiling if ceiling else capacity.MAX_LEVEL
     scout = None
-    if not hint_rps:
+    if not hint:
         quick = scout_settings(settings, template)
         scout = capacity.search(
-            lambda rate: probe_at(template, rate, slo, quick),
+            lambda level: probe_at(template, level, slo, quick),
             ceiling / 2 if ceiling else 1.0,
             capacity.BLIND_FACTOR,
             quick["tolerance"],
             settings["max_probes"],
             limit,
+            axis.integer,
         )
-    guess = hint_rps or scout.capacity_rps or scout.failing_rps or capacity.MIN_RATE_RPS
+    guess = hint or scout.capacity or scout.failing or capacity.MIN_LEVEL
     found = capacity.search(
-        lambda rate: probe_at(template, rate, slo, settings),
+        lambda level: probe_at(template, level, slo, settings),
         guess,
         capacity.WARM_FACTOR,
         settings["tolerance"],
         settings["max_probes"],
         limit,
+        axis.integer,
     )
     return scout, found
 
 
 def _probe_dict(probe: capacity.Probe) -> dict[str, Any]:
     return {
-        "rate_rps": probe.rate_rps,
+        "level": probe.level,
         "met": probe.met,
         "broken": list(probe.broken),
         "output_tokens_per_s": probe.output_tokens_per_s,
+        "requests_per_s": probe.requests_per_s,
         "requests": probe.requests,
         "trace": probe.trace,
     }
 
 
+def capacity_in_unit(template: Cell, searches: Sequence[capacity.Search]) -> intervals.Interval:
+    """The capacity in its axis's unit (`servematrix.loads`) from the searches' levels: over
+    repeats their mean and t interval; one search, its capacity and its bracket's upper end
+    in the same unit (scaled from the failing level)."""
+    axis = axis_of(template)
+    values = []
+    for s in searches:
+        at = s.at_capacity
+        if at is None:
+            values.append(0.0)
+            continue
+        table = trace.read(at.trace)
+        cell = Cell.from_dict(trace.metadata_of(table.schema, at.trace)["cell"])
+        values.append(axis.capacity(s.capacity, cell, table))
+    if len(searches) > 1:
+        return intervals.t_interval(values)
+    s, value = searches[0], values[0]
+    upper = value * s.failing / s.capacity if s.failing and s.capacity else value
+    return intervals.Interval(value, value, upper)
+
+
 def search_deployment(
-    cells: list[Cell], slo: Slo, settings: Mapping[str, Any], hint_rps: float | None = None
+    cells: list[Cell], slo: Slo, settings: Mapping[str, Any], hint: float | None = None
 ) -> dict[str, Any]:
     """Every seed's search and the deployment's capacity, as a JSON-ready document."""
     started = time.monotonic()
     by_seed: dict[int, list[Cell]] = {}
-    for cell in sorted(cells, key=lambda c: (c.workload.seed, c.workload.qps)):
+    for cell in sorted(cells, key=lambda c: c.workload.seed):
         by_seed.setdefault(cell.workload.seed, []).append(cell)
-    both = {seed: search_seed(group, slo, settings, hint_rps) for seed, group in by_seed.items()}
+    both = {seed: search_seed(group, slo, settings, hint) for seed, group in by_seed.items()}
     searches = {seed: found for seed, (_, found) in both.items()}
     scouted = [p for scout, _ in both.values() if scout for p in scout.probes]
     every = scouted + [p for s in searches.values() for p in s.probes]
     first, gpus = cells[0], gpus_of(cells[0])
-    ceiling = deployment_ceiling_rps(first)
-    started_from = "simulator" if hint_rps else ("ceiling" if ceiling else "blind")
-    interval = capacity.capacity_interval(searches.values())
+    axis = axis_of(first)
+    ceiling = axis.ceiling(first)
+    interval = capacity_in_unit(first, list(searches.values()))
     at_capacity = [s.at_capacity for s in searches.values() if s.at_capacity]
     tokens = (
         intervals.t_interval([p.output_tokens_per_s for p in at_capacity]) if at_capacity else None
@@ -265,14 +251,23 @@ def search_deployment(
         "gpus": gpus,
         "slo": slo.describe(),
         "repeats": len(searches),
-        "capacity_rps": interval.value,
-        "capacity_lo_rps": interval.lo,
-        "capacity_hi_rps": interval.hi,
+        "load": axis.name,
+        "capacity_unit": axis.unit,
+        "capacity": interval.value,
+        "capacity_lo": interval.lo,
+        "capacity_hi": interval.hi,
         "capacity_per_gpu": interval.value / gpus,
+        "capacity_level": capacity.capacity_interval(searches.values()).value,
+        "level_unit": axis.level_unit,
+        "requests_per_s": (
+            float(sum(p.requests_per_s for p in at_capacity) / len(at_capacity))
+            if at_capacity
+            else 0.0
+        ),
         "output_tokens_per_s_per_gpu": tokens.value / gpus if tokens else 0.0,
         "breaks_first": breaks.most_common(1)[0][0] if breaks else None,
         "limited": any(s.limited for s in searches.values()),
-        "ceiling_rps": ceiling,
+        "ceiling": ceiling,
         "min_duration_s": min_duration_s(first, settings),
         "cost_per_mtok_usd": (
             capacity.cost_per_million_tokens(price, gpus, tokens.value)
@@ -282,14 +277,14 @@ def search_deployment(
         "probes": len(every),
         "probe_requests": sum(p.requests for p in every),
         "search_wall_s": time.monotonic() - started,
-        "started_from": started_from,
-        "simulated_capacity_rps": hint_rps,
+        "started_from": "simulator" if hint else ("ceiling" if ceiling else "blind"),
+        "simulated_capacity_level": hint,
         "searches": [
             {
                 "seed": seed,
-                "capacity_rps": s.capacity_rps,
-                "failing_rps": s.failing_rps,
-                "limit_rps": s.limit_rps,
+                "capacity_level": s.capacity,
+                "failing_level": s.failing,
+                "limit_level": s.limit,
                 "breaks_first": list(s.breaks_first),
                 "probes": [_probe_dict(p) for p in s.probes],
                 "scout_probes": [_probe_dict(p) for p in scout.probes] if scout else [],
@@ -317,28 +312,30 @@ def capacity_job(
     hint = None
     if simulated:
         with open(simulated[0], encoding="utf-8") as document:
-            hint = json.load(document)["capacity_rps"] or None
+            hint = json.load(document)["capacity_level"] or None
     document = search_deployment(cells, Slo.from_config(slo_config), settings, hint)
     write_deployment(document, output)
 
 
 TABLE_COLUMNS = (
-    "model", "mode", "recipe", "input_len", "output_len", "gpus", "repeats", "capacity_rps",
-    "capacity_lo_rps", "capacity_hi_rps", "capacity_per_gpu", "output_tokens_per_s_per_gpu",
-    "breaks_first", "limited", "ceiling_rps", "min_duration_s", "cost_per_mtok_usd", "probes",
-    "probe_requests", "search_wall_s",
+    "model", "mode", "recipe", "input_len", "output_len", "gpus", "repeats", "capacity",
+    "capacity_lo", "capacity_hi", "capacity_unit", "capacity_per_gpu", "requests_per_s",
+    "output_tokens_per_s_per_gpu", "breaks_first", "limited", "ceiling", "level_unit",
+    "min_duration_s", "cost_per_mtok_usd", "probes", "probe_requests", "search_wall_s",
 )  # fmt: skip
 
 TABLE_SCHEMA = {
-    **dict.fromkeys(("model", "mode", "recipe", "breaks_first"), pl.String()),
+    **dict.fromkeys(
+        ("model", "mode", "recipe", "breaks_first", "capacity_unit", "level_unit"), pl.String()
+    ),
     "limited": pl.Boolean(),
     **dict.fromkeys(
         ("input_len", "output_len", "gpus", "repeats", "probes", "probe_requests"), pl.Int64()
     ),
     **dict.fromkeys(
         (
-            "capacity_rps", "capacity_lo_rps", "capacity_hi_rps", "capacity_per_gpu",
-            "output_tokens_per_s_per_gpu", "ceiling_rps", "min_duration_s", "cost_per_mtok_usd",
+            "capacity", "capacity_lo", "capacity_hi", "capacity_per_gpu", "requests_per_s",
+            "output_tokens_per_s_per_gpu", "ceiling", "min_duration_s", "cost_per_mtok_usd",
             "search_wall_s",
         ),
         pl.Float64(),

@@ -53,8 +53,8 @@ def _named(capacity: pl.DataFrame, question: str | None = None) -> pl.DataFrame:
         names = capacity["mode"].cast(pl.String).to_list()
     named = capacity.with_columns(pl.Series("configuration", names, dtype=pl.String))
     return named.with_columns(
-        (pl.col("capacity_lo_rps") / pl.col("gpus")).alias("lo_per_gpu"),
-        (pl.col("capacity_hi_rps") / pl.col("gpus")).alias("hi_per_gpu"),
+        (pl.col("capacity_lo") / pl.col("gpus")).alias("lo_per_gpu"),
+        (pl.col("capacity_hi") / pl.col("gpus")).alias("hi_per_gpu"),
         pl.col("input_len").cast(pl.String).alias("input"),
     )
 
@@ -70,7 +70,7 @@ def _per_model(data: pl.DataFrame, question: str | None) -> list[tuple[str, pl.D
     return [("", data)]
 
 
-def _capacity_panel(data: pl.DataFrame, label: str) -> alt.LayerChart:
+def _capacity_panel(data: pl.DataFrame, label: str, unit: str) -> alt.LayerChart:
     order = (
         data.sort("capacity_per_gpu", descending=True)["configuration"]
         .unique(maintain_order=True)
@@ -79,7 +79,7 @@ def _capacity_panel(data: pl.DataFrame, label: str) -> alt.LayerChart:
     y = alt.Y("configuration:N", sort=order, title=label or None, axis=alt.Axis(labelLimit=0))
     base = alt.Chart(data, width=300)
     bars = base.mark_bar().encode(
-        x=alt.X("capacity_per_gpu:Q", title="capacity per GPU (req/s)"),
+        x=alt.X("capacity_per_gpu:Q", title=f"capacity per GPU ({unit})"),
         y=y,
         yOffset="input:N",
         color=alt.Color("input:N", title="input tokens", scale=alt.Scale(scheme=SCHEME)),
@@ -110,7 +110,8 @@ def capacity_chart(
         "hi_per_gpu",
         "breaks_first",
     )
-    panels = [_capacity_panel(part, label) for label, part in _per_model(data, question)]
+    unit = capacity["capacity_unit"][0]
+    panels = [_capacity_panel(part, label, unit) for label, part in _per_model(data, question)]
     heading = alt.Title("Capacity per GPU at the SLO", subtitle=title)
     if len(panels) == 1:
         return panels[0].properties(title=heading)

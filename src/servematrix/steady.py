@@ -13,6 +13,12 @@ up to the last send (the drain after it is left out) — a run is steady when:
   above its first quarter's by more than ``QUEUE_TOLERANCE`` of it and the noise of the two
   medians (three standard errors).
 
+How the load was offered changes two of these (`Shape`, from the workload): a closed loop
+(``max_concurrency``: the client sends a request only when a slot frees) offers what the server
+serves by construction, so the throughput check does not apply; a sessions workload's window
+ends at the last session's first turn, since the later turns of the sessions begun before it
+follow with nothing new arriving: a load that only decays, the sessions' drain.
+
 Its SLO is judged over the same window (`judge`): failed requests count as infinitely slow in
 every statistic, the attainment counts them as missing every bound, and without an
 attainment a single failed request breaks the SLO (``FAILED``): a server that drops requests
@@ -32,6 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -51,6 +58,25 @@ TOO_SHORT = "run too short"
 
 
 @dataclass(frozen=True)
+class Shape:
+    """How a run offered its load: ``closed_loop`` when the client holds requests back;
+    ``scheduled_requests`` the measured requests on the arrival schedule, the rest following
+    them (a sessions workload's first turns, which come first; None: every request)."""
+
+    closed_loop: bool = False
+    scheduled_requests: int | None = None
+
+
+def shape_of(workload: Mapping[str, Any]) -> Shape:
+    """The `Shape` of a workload as a cell's JSON holds it (``Cell.to_dict()["workload"]``)."""
+    sessions = workload.get("sessions")
+    return Shape(
+        closed_loop=workload.get("max_concurrency") is not None,
+        scheduled_requests=sessions["users"] if sessions else None,
+    )
+
+
+@dataclass(frozen=True)
 class Steadiness:
     """One run's steady-state verdict; ``reason`` is empty when steady. Rates are per second
     over the window (``completed_rps`` the shifted departures, see the module)."""
@@ -67,13 +93,15 @@ class Steadiness:
 @dataclass(frozen=True)
 class Judgement:
     """A probe's verdict: ``broken`` names every failed check, the worst first (a bound by its
-    label, or a steady-state reason). ``output_tokens_per_s`` is the rate achieved in the window:
-    the output tokens of the requests that finished in it, over its length."""
+    label, or a steady-state reason). ``output_tokens_per_s`` and ``requests_per_s`` are the
+    rates achieved in the window: what the requests that finished in it produced, over its
+    length."""
 
     met: bool
     broken: tuple[str, ...]
     steadiness: Steadiness
     output_tokens_per_s: float
+    requests_per_s: float
 
 
 def measured_frame(table: pa.Table | pl.DataFrame) -> pl.DataFrame:
@@ -83,11 +111,16 @@ def measured_frame(table: pa.Table | pl.DataFrame) -> pl.DataFrame:
     return frame.sort("sent_s")
 
 
-def steady_window(measured: pl.DataFrame) -> pl.DataFrame:
+def steady_window(measured: pl.DataFrame, shape: Shape = Shape()) -> pl.DataFrame:
     """The requests sent after the ramp: all but the first ``RAMP_FRACTION`` of them (by
     count, so a probe sized for a window gets it exactly; at a held rate, the same share of
-    the send span)."""
-    return measured.slice(math.floor(RAMP_FRACTION * measured.height))
+    the send span), up to the last one on the arrival schedule."""
+    window = measured.slice(math.floor(RAMP_FRACTION * measured.height))
+    if shape.scheduled_requests is None:
+        return window
+    first_id = int(measured["request_id"].min())
+    scheduled = measured.filter(pl.col("request_id") < first_id + shape.scheduled_requests)
+    return window.filter(pl.col("sent_s") <= scheduled["sent_s"].max())
 
 
 def requests_needed(percentile: float, tail_requests: int = TAIL_REQUESTS) -> int:
@@ -96,9 +129,9 @@ def requests_needed(percentile: float, tail_requests: int = TAIL_REQUESTS) -> in
     return math.ceil(tail_requests / (1 - percentile / 100) - 1e-9)
 
 
-def steadiness(measured: pl.DataFrame) -> Steadiness:
+def steadiness(measured: pl.DataFrame, shape: Shape = Shape()) -> Steadiness:
     """Whether the run (its measured requests, `measured_frame`) reached steady state."""
-    window = steady_window(measured)
+    window = steady_window(measured, shape)
     start, end = float(window["sent_s"].min()), float(window["sent_s"].max())
     span = end - start
     served = window.filter(pl.col("success"))
@@ -118,7 +151,8 @@ def steadiness(measured: pl.DataFrame) -> Steadiness:
         measured.filter(pl.col("success") & pl.col("end_s").is_between(start + lag_s, end)).height
         / shifted
     )
-    reason = BELOW_OFFERED if done < (1 - THROUGHPUT_TOLERANCE) * offered else ""
+    below = done < (1 - THROUGHPUT_TOLERANCE) * offered and not shape.closed_loop
+    reason = BELOW_OFFERED if below else ""
     return Steadiness(not reason, reason, offered_rps=offered, completed_rps=done, **base)
 
 
@@ -132,12 +166,15 @@ def _median_noise_s(head: np.ndarray, tail: np.ndarray) -> float:
 
 
 def judge(
-    table: pa.Table | pl.DataFrame, slo: Slo, tail_requests: int = TAIL_REQUESTS
+    table: pa.Table | pl.DataFrame,
+    slo: Slo,
+    tail_requests: int = TAIL_REQUESTS,
+    shape: Shape = Shape(),
 ) -> Judgement:
     """A capacity probe's verdict: steady, and every SLO check met over the steady window."""
     measured = measured_frame(table)
-    state = steadiness(measured)
-    window = steady_window(measured)
+    state = steadiness(measured, shape)
+    window = steady_window(measured, shape)
     values = _per_request_s(window)
     over = [_bound_check(bound, values, window, tail_requests) for bound in slo.bounds]
     if slo.attainment is not None:
@@ -150,8 +187,9 @@ def judge(
     broken = tuple(label for ratio, label in sorted(over, key=lambda x: -x[0]) if not ratio <= 1)
     start, end = window["sent_s"].min(), window["sent_s"].max()
     done = measured.filter(pl.col("success") & pl.col("end_s").is_between(start, end))
-    rate = done["completion_tokens"].sum() / state.window_s if state.window_s > 0 else 0.0
-    return Judgement(not broken, broken, state, float(rate))
+    span_s = state.window_s if state.window_s > 0 else math.inf
+    tokens_per_s = done["completion_tokens"].sum() / span_s
+    return Judgement(not broken, broken, state, float(tokens_per_s), done.height / span_s)
 
 
 def _attainment_shortfall(slo: Slo, values: Mapping[str, np.ndarray], target: float) -> float:

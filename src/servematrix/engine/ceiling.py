@@ -30,10 +30,16 @@ def prefill_rps(setup: EngineSetup, input_len: int) -> float:
     return 1000 / (chunks * step_ms)
 
 
+def largest_batch(setup: EngineSetup, input_len: int, output_len: int) -> int:
+    """The most requests one instance runs at once: ``max_num_seqs``, or as many as its KV
+    cache holds at their longest."""
+    fits = setup.kv.capacity_tokens // max(input_len + output_len, 1)
+    return max(min(setup.scheduler.max_num_seqs, fits), 1)
+
+
 def decode_rps(setup: EngineSetup, input_len: int, output_len: int) -> float:
     """Requests per second one instance decodes at its largest batch (at the mean context)."""
-    fits = setup.kv.capacity_tokens // max(input_len + output_len, 1)
-    batch = max(min(setup.scheduler.max_num_seqs, fits), 1)
+    batch = largest_batch(setup, input_len, output_len)
     context = input_len + output_len // 2
     step_ms = setup.step_time.step_ms(StepBatch(decode_contexts=(context,) * batch))
     return batch * 1000 / (step_ms * max(output_len - 1, 1))

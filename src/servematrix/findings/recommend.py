@@ -91,7 +91,12 @@ def fmt_rate(value: float) -> str:
 
 
 def _per_gpu(row: dict, end: str = "") -> float:
-    return row[f"capacity{end}_rps"] / row["gpus"]
+    return row[f"capacity{end}"] / row["gpus"]
+
+
+def _unit(row: dict) -> str:
+    """The capacity's unit (`servematrix.loads`): req/s, users or sessions."""
+    return row["capacity_unit"]
 
 
 def _interval(row: dict) -> str:
@@ -150,24 +155,25 @@ def _gpus(n: int) -> str:
 def _winner_sentence(ranking: Ranking) -> str:
     best = ranking.rows[0]
     scope = f"For {ranking.label}, " if ranking.label else ""
-    if not best["capacity_rps"]:
+    if not best["capacity"]:
         return (
-            f"{scope}no configuration meets the SLO, not even at the lowest rate probed "
+            f"{scope}no configuration meets the SLO, not even at the lowest load probed "
             f"({best['name']}'s {best['breaks_first']} breaks first): nothing to recommend."
         )
     if best.get("limited"):
-        ceiling = best.get("ceiling_rps")
-        up_to = f" up to {fmt_rate(2 * ceiling)} req/s (twice its ceiling)" if ceiling else ""
+        ceiling, level = best["ceiling"], best["level_unit"]
+        up_to = f" up to {fmt_rate(2 * ceiling)} {level} (twice its ceiling)" if ceiling else ""
         return (
-            f"{scope}{best['name']} met the SLO at every rate probed{up_to}: its capacity is "
+            f"{scope}{best['name']} met the SLO at every load probed{up_to}: its capacity is "
             "above that, not measured."
         )
     cost = best["cost_per_mtok_usd"]
     priced = f", ${cost:,.2f} per million output tokens" if cost is not None else ""
     text = (
         f"{'For ' + ranking.label + ', run' if ranking.label else 'Run'} {best['name']}: "
-        f"{fmt_rate(_per_gpu(best))} req/s per GPU ({fmt_rate(best['capacity_rps'])} req/s on "
-        f"{_gpus(best['gpus'])}, {fmt_rate(best['output_tokens_per_s_per_gpu'])} output "
+        f"{fmt_rate(_per_gpu(best))} {_unit(best)} per GPU ({fmt_rate(best['capacity'])} "
+        f"{_unit(best)} on {_gpus(best['gpus'])}, "
+        f"{fmt_rate(best['output_tokens_per_s_per_gpu'])} output "
         f"tokens/s per GPU{priced})"
     )
     if len(ranking.rows) > 1:
@@ -175,7 +181,7 @@ def _winner_sentence(ranking: Ranking) -> str:
         if _tied(best, second):
             text += (
                 f", the same within noise as {second['name']} ({_interval(best)} vs "
-                f"{_interval(second)} req/s per GPU)"
+                f"{_interval(second)} {_unit(best)} per GPU)"
             )
         else:
             text += (
@@ -192,8 +198,8 @@ def _loser_sentence(ranking: Ranking) -> str | None:
         return None
     return (
         f"{worst['name']} carries the least{' for ' + ranking.label if ranking.label else ''} "
-        f"({fmt_rate(_per_gpu(worst))} req/s per GPU; above {fmt_rate(worst['capacity_rps'])} "
-        f"req/s its {worst['breaks_first']} breaks first)."
+        f"({fmt_rate(_per_gpu(worst))} {_unit(worst)} per GPU; above "
+        f"{fmt_rate(worst['capacity'])} {_unit(worst)} its {worst['breaks_first']} breaks first)."
     )
 
 
@@ -246,7 +252,7 @@ def _scaling_sentences(capacity: pl.DataFrame) -> list[str]:
             if last
             else "none at the longest"
         )
-        sentences.append(f"{name}: {spelled} input tokens, in req/s per GPU ({fall}).")
+        sentences.append(f"{name}: {spelled} input tokens, in {_unit(row)} per GPU ({fall}).")
     return sentences
 
 
@@ -382,7 +388,8 @@ def capacity_section(capacity: pl.DataFrame, question: str) -> Section | None:
     """The detail below the answer: one ranking table per comparison the question makes."""
     if capacity.is_empty():
         return None
-    header = ["rank", "configuration", "capacity (req/s)", "GPUs", "per GPU", "interval per GPU"]
+    unit = _unit(capacity.row(0, named=True))
+    header = ["rank", "configuration", f"capacity ({unit})", "GPUs", "per GPU", "interval per GPU"]
     header += ["output tok/s per GPU", "breaks first above", "$ per M output tokens"]
     tables = [
         Table(
@@ -391,7 +398,7 @@ def capacity_section(capacity: pl.DataFrame, question: str) -> Section | None:
                 [
                     str(i + 1),
                     r["name"],
-                    fmt_rate(r["capacity_rps"]),
+                    fmt_rate(r["capacity"]),
                     str(r["gpus"]),
                     fmt_rate(_per_gpu(r)),
                     _interval(r),
