@@ -1,5 +1,6 @@
 # Validation, matrix expansion, input functions and wildcard constraints, all derived from
 # one validated config (servematrix.config). A bad config stops here, before any job.
+import functools
 import json
 import sys
 from pathlib import Path
@@ -191,10 +192,24 @@ def _deployment_path(wildcards):
     )
 
 
+@functools.cache
+def deployments_of(backend):
+    """Deployment path -> (template cells, the study cells behind it), built once per backend:
+    a lookup per job, not a scan of every cell (planning stays linear in the matrix)."""
+    cells = config_of(backend).all_cells()
+    traces = {}
+    for cell in cells:
+        traces.setdefault(capacity_run.deployment_path(cell), []).append(cell.path)
+    return {
+        path: (templates, traces[path])
+        for path, templates in capacity_run.deployments(cells).items()
+    }
+
+
 def deployment_cells(wildcards):
     """The deployment's template cells (one per seed) behind a capacity document's path."""
     path = _deployment_path(wildcards)
-    cells = capacity_run.deployments(config_of(wildcards.backend).all_cells()).get(path)
+    cells = deployments_of(wildcards.backend).get(path, ([], []))[0]
     if not cells:
         with fail_on_config_error():
             raise matrix.ConfigError("studies", f"no study in the config has deployment {path}")
@@ -204,12 +219,7 @@ def deployment_cells(wildcards):
 def get_deployment_traces(wildcards):
     """The study cells of a measured deployment, run before its search (one deployment on the
     GPUs at a time)."""
-    path = _deployment_path(wildcards)
-    return [
-        cell.path
-        for cell in config_of(wildcards.backend).all_cells()
-        if capacity_run.deployment_path(cell) == path
-    ]
+    return deployments_of(wildcards.backend).get(_deployment_path(wildcards), ([], []))[1]
 
 
 def get_simulated_capacity(wildcards):

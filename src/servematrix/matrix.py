@@ -9,6 +9,7 @@ the patterns that match the names in it (the rules' wildcard constraints).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -229,19 +230,25 @@ class Config:
     studies: Mapping[str, Study]
     slo: Slo
 
-    def all_cells(self) -> list[Cell]:
-        """Every distinct cell of every study, in a stable order (a shared cell once)."""
+    @functools.cached_property
+    def _cells_by_path(self) -> dict[str, Cell]:
+        """Built once: every job's input functions look their cell up here, so planning a
+        matrix takes time linear in its cells (a scan per lookup made it quadratic)."""
         seen: dict[str, Cell] = {}
         for study in self.studies.values():
             for cell in study.cells:
                 seen.setdefault(cell.path, cell)
-        return list(seen.values())
+        return seen
+
+    def all_cells(self) -> list[Cell]:
+        """Every distinct cell of every study, in a stable order (a shared cell once)."""
+        return list(self._cells_by_path.values())
 
     def cell_at(self, path: str) -> Cell:
-        for cell in self.all_cells():
-            if cell.path == path:
-                return cell
-        raise ConfigError("studies", f"no study in the config has the cell {path}")
+        cell = self._cells_by_path.get(path)
+        if cell is None:
+            raise ConfigError("studies", f"no study in the config has the cell {path}")
+        return cell
 
 
 def gpus_needed(cfg: Config) -> list[int]:
