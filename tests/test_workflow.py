@@ -241,3 +241,25 @@ def test_a_capped_study_at_qps_inf_runs_end_to_end(tmp_path, small_config):
     capacity = pl.read_parquet(base / "capacity" / "capped.parquet")
     assert capacity["capacity_unit"].to_list() == ["users"] and capacity["capacity"][0] >= 1
     assert " users per GPU" in (base / "findings" / "capped.md").read_text()
+
+
+def test_a_sessions_study_gets_its_capacity_in_concurrent_sessions(tmp_path, small_config):
+    """Through Snakemake: the sessions study's search job and table, in sessions."""
+    small_config["studies"] = {
+        "chat": {
+            "recipe": "v1",
+            "models": ["Qwen2.5-7B-Instruct-GPTQ-Int4"],
+            "modes": ["single"],
+            "qps": [1],
+            "input_len": [256],
+            "workload": {"sessions": {"users": 4, "turns": 3, "think_time_s": 1.0}},
+        }
+    }
+    workdir = copy_workflow(tmp_path, small_config)
+    run = snakemake(workdir, "--cores", "1", "all")
+    assert run.returncode == 0, run.stderr[-3000:]
+    base = workdir / "results" / "simulator"
+    assert len(list(base.glob("capacity/v1/*/single/in256_out6_sess3-t1.json"))) == 1
+    capacity = pl.read_parquet(base / "capacity" / "chat.parquet")
+    assert capacity["capacity_unit"].to_list() == ["sessions"] and capacity["capacity"][0] > 0
+    assert " sessions per GPU" in (base / "findings" / "chat.md").read_text()
