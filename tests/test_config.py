@@ -16,6 +16,7 @@ from servematrix.matrix import (
     ConfigError,
     wildcard_pattern,
 )
+from tests.conftest import ROOT
 
 
 def test_default_config_has_every_study_of_the_design(default_config):
@@ -124,6 +125,15 @@ def test_the_schema_accepts_every_mode_and_no_other():
     study = schema["properties"]["studies"]["additionalProperties"]
     modes = study["properties"]["modes"]
     assert modes["items"]["enum"] == list(MODES)
+
+
+def test_the_readme_defines_every_mode():
+    """README "Modes" has a row per mode: instances, proxy, chunked prefill per recipe, KV."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n### Modes\n", 1)[1].split("\n#", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
+    assert [row[0].strip("| `") for row in rows] == list(MODES)
+    assert all(len(row) == 6 and all(cell.strip() for cell in row) for row in rows)
 
 
 @pytest.mark.parametrize("recipe", ["v0", "v1"])
