@@ -103,6 +103,7 @@ def test_summary_columns_and_types(tmp_path: Path) -> None:
         *trace.IDENTITY_COLUMNS,
         *metric_names,
         *workload,
+        *aggregate.SERVING_COLUMNS,
         *memory,
         *preemption,
         *aggregate.PREFIX_COLUMNS,
@@ -118,6 +119,44 @@ def test_summary_columns_and_types(tmp_path: Path) -> None:
     assert df.schema["completed"] == pl.Int64
     assert df.schema["mean_ttft_ms"] == pl.Float64
     assert df.schema["steady"] == pl.Boolean
+    assert df.schema["chunked_prefill"] == pl.Boolean
+
+
+def _served_by(mode: dict, recipe: str = "v1", max_model_len: int = 10_000) -> dict:
+    serving = {"max_model_len": max_model_len}
+    return {"cell": {"recipe": recipe, "mode": mode, "serving": serving}}
+
+
+def test_summary_says_whether_prefill_was_chunked(tmp_path: Path) -> None:
+    """The mode's choice, else the recipe's default (V1 on; 0.6 off, on above 32768 tokens);
+    null where servematrix did not start the server (external, `servematrix bench`)."""
+    cases = {
+        2.0: ("simulator", _served_by({"chunked_prefill": None})),
+        3.0: ("simulator", _served_by({"chunked_prefill": None}, "v0")),
+        4.0: ("emulator", _served_by({"chunked_prefill": None}, "v0", 40_000)),
+        5.0: ("vllm", _served_by({"chunked_prefill": False})),
+        6.0: ("vllm", _served_by({"chunked_prefill": True}, "v0")),
+        7.0: ("external", _served_by({"chunked_prefill": True})),
+        8.0: ("simulator", {"workload": {"max_concurrency": 2}}),
+    }
+    paths = []
+    for qps, (backend, metadata) in cases.items():
+        path = tmp_path / f"{qps}.parquet"
+        cell = trace.CellIdentity(backend, "v1", "m", "single", "random", qps, 10, 3, 3, 0)
+        trace.write(path, cell, records(), metadata)
+        paths.append(path)
+
+    df = aggregate.summarize(paths)
+
+    assert df["chunked_prefill"].to_list() == [True, False, True, False, True, None, None]
+    page = aggregate.render_html(df, "t")
+    assert "<th>chunked prefill</th>" in page and "<td>on</td>" in page
+    assert "<td>off</td>" in page
+
+
+def test_html_leaves_out_chunked_prefill_when_no_cell_says(tmp_path: Path) -> None:
+    df = aggregate.summarize([write_trace(tmp_path, "a", identity())])
+    assert "chunked prefill" not in aggregate.render_html(df, "t")
 
 
 def test_summary_reads_the_concurrency_cap_from_the_metadata(tmp_path: Path) -> None:

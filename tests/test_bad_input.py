@@ -60,6 +60,16 @@ def _dataset(name: str) -> Callable[[dict], None]:
 
 
 DATA = ROOT / "tests" / "data"
+
+
+def _plain_prefill_above_32k(cfg: dict) -> None:
+    """Llama 3.2 1B (context 131072) in single-plain on v0 at max_model_len 40000."""
+    cfg["models"][MODEL]["architecture"] = str(ROOT / "config/examples/my-model/config.json")
+    cfg["studies"]["sizes"].update(
+        models=[MODEL], modes=["single", "single-plain"], workload={"max_model_len": 40_000}
+    )
+
+
 BAD_TRACE = DATA / "bad-trace.jsonl"
 
 
@@ -141,6 +151,13 @@ ROWS: list[tuple[str, Callable[[dict], None], str]] = [
         "config error at defaults.max_model_len: Qwen2.5-7B-Instruct-GPTQ-Int4: User-specified "
         "max_model_len (200000) is greater than the derived max_model_len "
         "(max_position_embeddings=32768 in model's config.json).",
+    ),
+    (
+        "plain-prefill-vllm-0.6-would-chunk",
+        _plain_prefill_above_32k,
+        "config error at studies.sizes.modes[1]: mode 'single-plain' is plain prefill, but vLLM "
+        "0.6 (recipe v0) chunks prefills by itself above max_model_len 32768 (here 40000): lower "
+        "max_model_len, or use recipe v1",
     ),
     (
         "slo-negative",

@@ -6,9 +6,17 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from servematrix import config
-from servematrix.matrix import WORKLOAD_TOKEN_PATTERN, Cell, ConfigError, wildcard_pattern
+from servematrix.matrix import (
+    MODES,
+    WORKLOAD_TOKEN_PATTERN,
+    Cell,
+    ConfigError,
+    wildcard_pattern,
+)
+from tests.conftest import ROOT
 
 
 def test_default_config_has_every_study_of_the_design(default_config):
@@ -110,6 +118,40 @@ def test_two_instance_mode_needs_two_pins(small_config):
     small_config["studies"]["sizes"]["modes"] = ["chunked"]
     with pytest.raises(ConfigError, match=r"studies\.sizes\.modes\[0\].*pins only 1"):
         config.load(small_config)
+
+
+def test_the_schema_accepts_every_mode_and_no_other():
+    schema = yaml.safe_load(config.SCHEMA_PATH.read_text())
+    study = schema["properties"]["studies"]["additionalProperties"]
+    modes = study["properties"]["modes"]
+    assert modes["items"]["enum"] == list(MODES)
+
+
+def test_the_readme_defines_every_mode():
+    """README "Modes" has a row per mode: instances, proxy, chunked prefill per recipe, KV."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n### Modes\n", 1)[1].split("\n#", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
+    assert [row[0].strip("| `") for row in rows] == list(MODES)
+    assert all(len(row) == 6 and all(cell.strip() for cell in row) for row in rows)
+
+
+@pytest.mark.parametrize("recipe", ["v0", "v1"])
+def test_one_gpu_compares_plain_and_chunked_prefill(small_config, recipe):
+    """single-plain and single-chunked each run one instance on the model's first pin, so a
+    one-GPU model compares the two; ``single`` leaves it to the recipe's vLLM (off in 0.6 at
+    max_model_len 10000, on in V1)."""
+    small_config["studies"]["sizes"] |= {
+        "recipe": recipe,
+        "models": ["Qwen2.5-14B-Instruct"],
+        "modes": ["single", "single-plain", "single-chunked"],
+        "input_len": [1024],
+    }
+    cells = config.load(small_config).studies["sizes"].cells
+    chunked = {c.mode.name: c.chunked_prefill for c in cells}
+    assert chunked == {"single": recipe == "v1", "single-plain": False, "single-chunked": True}
+    assert {c.instance_gpus for c in cells} == {((0,),)}
+    assert cells[1].path.endswith("/single-plain/qps4_in1024_out6_n20_s0.parquet")
 
 
 def test_shared_cell_with_conflicting_settings_is_rejected(small_config):

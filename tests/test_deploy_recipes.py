@@ -12,6 +12,8 @@ import pytest
 from servematrix import config
 from servematrix.deploy.dryrun import find_cell
 from servematrix.deploy.recipes import plan
+from servematrix.emulator import cli as emulator_cli
+from servematrix.engine.scheduler import scheduler_config
 from servematrix.matrix import ConfigError
 
 M72 = "Qwen/Qwen2.5-72B-Instruct"
@@ -176,6 +178,38 @@ def test_single_mode_is_one_instance_on_8997(default_config):
     assert server.env == {"CUDA_VISIBLE_DEVICES": "0"}
     assert deployment.base_url == "http://127.0.0.1:8997/v1"
     assert server.health.url == "http://127.0.0.1:8997/health"
+
+
+SINGLE_CHUNKING_FLAGS = {
+    # v0 (vLLM 0.6) chunks only when asked at max_model_len 10000: plain passes no flag, as the
+    # published nondisagg line (0.6's parser has no --no- form).
+    ("v0", "single"): [],
+    ("v0", "single-plain"): [],
+    ("v0", "single-chunked"): ["--enable-chunked-prefill"],
+    ("v1", "single"): [],  # V1 chunks by default
+    ("v1", "single-plain"): ["--no-enable-chunked-prefill"],
+    ("v1", "single-chunked"): ["--enable-chunked-prefill"],
+}
+
+
+@pytest.mark.parametrize(("recipe", "mode"), list(SINGLE_CHUNKING_FLAGS))
+def test_single_modes_say_on_the_command_line_whether_prefill_is_chunked(
+    default_config, recipe, mode
+):
+    """One instance on 8997; the chunking flag is the only difference between the three
+    single modes, and the emulator, reading the line as vLLM would, schedules as the cell says."""
+    cell = _cell(default_config, "Qwen2.5-14B-Instruct", mode, recipe)
+    (server,) = plan(cell).processes
+    base = plan(_cell(default_config, "Qwen2.5-14B-Instruct", "single", recipe)).processes[0]
+    flags = [a for a in server.argv if "chunked-prefill" in a]
+    assert flags == SINGLE_CHUNKING_FLAGS[(recipe, mode)]
+    assert [a for a in server.argv if a not in flags] == list(base.argv)
+    assert (server.port, server.env) == (8997, {"CUDA_VISIBLE_DEVICES": "0"})
+    emulated = plan(_cell(default_config, "Qwen2.5-14B-Instruct", mode, recipe, "emulator"))
+    args = emulator_cli.parse_args(list(emulated.processes[0].argv[1:]))
+    scheduler = scheduler_config(recipe, args.enable_chunked_prefill, 10_000, "A100-SXM4-80GB")
+    chunked = {"single": recipe == "v1", "single-plain": False, "single-chunked": True}[mode]
+    assert scheduler.chunked_prefill is cell.chunked_prefill is chunked
 
 
 def test_mooncake_json_per_deployment(default_config):

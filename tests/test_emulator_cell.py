@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from servematrix import trace
+from servematrix import aggregate, trace
 from servematrix.cell import _modelled_layout, run_cell
 from servematrix.deploy import warm
 from servematrix.deploy.recipes import plan
@@ -128,6 +128,31 @@ def test_preemptions_per_request_and_the_exact_kv_peak_per_cell(tmp_path, monkey
     assert light_memory["peak_kv_cache_usage"] == 9 / pool_blocks
     samples = [u for s in light_memory["kv_cache_usage"].values() for _, u in s]
     assert max(samples) <= light_memory["peak_kv_cache_usage"]
+
+
+def test_one_instance_serves_plain_and_chunked_prefill(tmp_path, monkeypatch):
+    """single-plain and single-chunked each start one emulator process from their own command
+    line (--no-enable-chunked-prefill / --enable-chunked-prefill), serve every request, and the
+    summary of the two traces says which chunked."""
+    monkeypatch.chdir(tmp_path)
+    paths = []
+    flags = {
+        "single-plain": "--no-enable-chunked-prefill",
+        "single-chunked": "--enable-chunked-prefill",
+    }
+    for mode in ("single-plain", "single-chunked"):
+        cell = _cell(_random(4, 4096, 8), tmp_path / "state", mode=mode, serving=Serving(8192, 0.8))
+        paths.append(tmp_path / f"{mode}.parquet")
+        rows, metadata = _run(cell, paths[-1])
+        assert all(r["success"] for r in rows), mode
+        (server,) = metadata["deployment"]["processes"]
+        assert server["argv"][:2] == ["servematrix-emulator", "serve"]
+        assert flags[mode] in server["argv"]
+    summary = aggregate.summarize(paths)
+    assert dict(zip(summary["mode"], summary["chunked_prefill"], strict=True)) == {
+        "single-plain": False,
+        "single-chunked": True,
+    }
 
 
 def test_disaggregated_preemptions_and_peaks_cover_both_instances(tmp_path, monkeypatch):

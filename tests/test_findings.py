@@ -91,6 +91,18 @@ def test_plain_vs_chunked_gap_grows() -> None:
     assert any(s.startswith("P99 ITL") for s in sentences)
 
 
+def test_plain_vs_chunked_on_one_instance() -> None:
+    rows = [
+        {**row, "mode": row["mode"].replace("nondisagg", "single-plain")}
+        for row in PLAIN_VS_CHUNKED
+    ]
+    rows = [{**row, "mode": row["mode"].replace("chunked", "single-chunked")} for row in rows]
+    sentences = section(findings(rows), "Plain vs chunked prefill, one instance")
+    ttft = next(s for s in sentences if s.startswith("Mean TTFT"))
+    assert "single-chunked vs single-plain: +20.0 ms (+20.0%) at QPS 2" in ttft
+    assert "Plain vs chunked prefill" not in titles(findings(rows))
+
+
 def test_rdma_vs_tcp_gap_shrinks_and_changes_sign() -> None:
     rows = [
         cell("m", "mooncake-rdma", 2, 100.0),

@@ -11,9 +11,12 @@ import pytest
 
 import servematrix.simulate as simulate_module
 import servematrix.simulate.v1 as simulate_v1
+from servematrix import aggregate, config, trace
+from servematrix.cell import run_cell
 from servematrix.engine.kvcache import ModelDoesNotFitError
 from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.simulate import round_robin_targets, simulate
+from tests.conftest import ROOT
 
 GPTQ_7B = ModelSpec(
     "Qwen2.5-7B-Instruct-GPTQ-Int4",
@@ -135,6 +138,32 @@ def test_max_num_batched_tokens_override_reaches_the_scheduler():
     unchunked = dataclasses.replace(c, mode=MODES["nondisagg"])
     with pytest.raises(ValueError, match="smaller than max_model_len"):
         simulate(unchunked)
+
+
+@pytest.mark.parametrize("recipe", ["v0", "v1"])
+def test_chunked_prefill_on_one_instance_trades_ttft_for_shorter_stalls(tmp_path, recipe):
+    """The chunked-prefill example at QPS 0.5 (steady): 8192-token prompts on one instance.
+    Plain prefill runs a whole prompt in one step, and every request decoding meanwhile waits
+    for it; chunked prefill caps a step at 2048 tokens, so the longest inter-token gap is under
+    half of plain's, and each prompt takes several steps, so the mean TTFT is higher. The
+    summary says which mode chunked."""
+    study = "chunked-prefill" if recipe == "v0" else "chunked-prefill-v1"
+    cfg = config.load(config.read_yaml(ROOT / "config" / "examples" / "chunked-prefill.yaml"))
+    cells = [c for c in cfg.studies[study].cells if c.workload.qps == 0.5]
+    paths, budgets, longest_gap_s = [], {}, {}
+    for c in cells:
+        paths.append(tmp_path / f"{c.mode.name}.parquet")
+        table = run_cell(c, paths[-1])
+        engine = trace.metadata_of(table.schema, paths[-1])["deployment"]["engine"]
+        budgets[c.mode.name] = engine["scheduler"]["max_num_batched_tokens"]
+        chunks = [r["chunk_s"] for r in table.to_pylist() if not r["warmup"]]
+        longest_gap_s[c.mode.name] = max(np.diff(times).max() for times in chunks)
+    summary = {row["mode"]: row for row in aggregate.summarize(paths).iter_rows(named=True)}
+    plain, chunked = summary["single-plain"], summary["single-chunked"]
+    assert budgets == {"single-plain": 10_000, "single-chunked": 2048}
+    assert (plain["chunked_prefill"], chunked["chunked_prefill"]) == (False, True)
+    assert longest_gap_s["single-chunked"] < 0.5 * longest_gap_s["single-plain"]
+    assert chunked["mean_ttft_ms"] > plain["mean_ttft_ms"]
 
 
 def test_max_num_seqs_caps_the_running_batch():

@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from servematrix import intervals, metrics, prefixstats, sessions, steady, trace
+from servematrix import intervals, matrix, metrics, prefixstats, sessions, steady, trace
 from servematrix.files import atomic_path
 
 SORT_KEYS = ("model", "mode", "input_len", "qps")
@@ -26,6 +26,7 @@ CSV_DECIMALS = 3
 HTML_COLUMNS = (
     ("model", "model"),
     ("mode", "mode"),
+    ("chunked_prefill", "chunked prefill"),
     ("qps", "QPS"),
     ("input_len", "input len"),
     ("completed", "completed"),
@@ -60,6 +61,12 @@ WORKLOAD_COLUMNS = {"max_concurrency": pl.Int64()}
 """Workload settings the identity columns omit, from the trace metadata (the cell's config, or
 ``servematrix bench``'s workload); null where a trace has none. ``max_concurrency`` tells the
 findings that a cell's send lag includes waiting for a free slot."""
+
+SERVING_COLUMNS = {"chunked_prefill": pl.Boolean()}
+"""How the servers ran, from the trace metadata's cell: ``chunked_prefill`` whether they chunked
+prefills, the mode's choice or else its recipe's default (`matrix.chunks_prefill`); null where
+servematrix started no server (backend external, `servematrix bench`), as the mode could not
+change it."""
 
 MEMORY_COLUMNS = {
     "peak_gpu_memory_mib": pl.Float64(),
@@ -122,6 +129,7 @@ def _summary_schema() -> dict[str, pl.DataType]:
         **identity,
         **measured,
         **WORKLOAD_COLUMNS,
+        **SERVING_COLUMNS,
         **MEMORY_COLUMNS,
         **PREEMPTION_COLUMNS,
         **PREFIX_COLUMNS,
@@ -173,10 +181,12 @@ def table_summary_row(
     workload = cell_config.get("workload") if isinstance(cell_config, dict) else None
     workload = workload or metadata.get("workload") or {}
     memory_use = metadata.get("memory") or {}
+    identity = cell_identity(table, path)
     return {
-        **cell_identity(table, path),
+        **identity,
         **asdict(cell),
         **{name: workload.get(name) for name in WORKLOAD_COLUMNS},
+        "chunked_prefill": chunked_prefill(cell_config, identity["backend"]),
         **{name: memory_use.get(name) for name in MEMORY_COLUMNS},
         **preemption_summary(table),
         **prefixstats.summary_columns(metadata.get("prefix_cache") or {}),
@@ -191,6 +201,18 @@ def table_summary_row(
         "repeats": 1,
         "trace": os.fspath(path),
     }
+
+
+def chunked_prefill(cell_config: Any, backend: str) -> bool | None:
+    """Whether the cell's servers chunked prefills (see `SERVING_COLUMNS`); None when unknown."""
+    if backend == "external" or not isinstance(cell_config, dict):
+        return None
+    try:
+        recipe, mode = cell_config["recipe"], cell_config["mode"]
+        max_model_len = cell_config["serving"]["max_model_len"]
+        return matrix.chunks_prefill(recipe, mode["chunked_prefill"], max_model_len)
+    except (KeyError, TypeError):
+        return None
 
 
 def _served(table: pa.Table) -> pl.DataFrame:
@@ -294,12 +316,12 @@ def render_html(
     df: pl.DataFrame, title: str, columns: Sequence[tuple[str, str]] = HTML_COLUMNS
 ) -> str:
     """A self-contained page (no external CSS or JS) with the key columns of the summary (the
-    prefix-reuse ones only where some cell has them)."""
+    prefix-reuse ones and chunked prefill only where some cell has them)."""
     columns = [
         (name, header)
         for name, header in columns
         if name in df.columns
-        and not (name in PREFIX_COLUMNS and df[name].null_count() == df.height)
+        and not (name in (*PREFIX_COLUMNS, *SERVING_COLUMNS) and df[name].null_count() == df.height)
     ]
     head = "".join(f"<th>{html.escape(header)}</th>" for _, header in columns)
     body = "\n".join(
@@ -318,6 +340,8 @@ def render_html(
 def _html_cell(value: Any) -> str:
     if value is None:
         return "<td></td>"
+    if isinstance(value, bool):
+        return f"<td>{'on' if value else 'off'}</td>"
     if isinstance(value, float):
         return f'<td class="num">{value:.2f}</td>'
     if isinstance(value, int):

@@ -56,7 +56,21 @@ MODES: dict[str, ModeSpec] = {
     "mooncake-rdma": ModeSpec("mooncake-rdma", 2, True, None, "rdma"),
     "mooncake-tcp": ModeSpec("mooncake-tcp", 2, True, None, "tcp"),
     "single": ModeSpec("single", 1, False, None),
+    "single-plain": ModeSpec("single-plain", 1, False, False),
+    "single-chunked": ModeSpec("single-chunked", 1, False, True),
 }
+"""The modes, in their canonical order (aggregated first); README "Modes" defines each."""
+
+V0_AUTO_CHUNKED_ABOVE = 32768
+"""vLLM 0.6 turns chunked prefill on by itself above this ``max_model_len`` (``EngineArgs``)."""
+
+
+def chunks_prefill(recipe: str, chunked_prefill: bool | None, max_model_len: int) -> bool:
+    """Whether the recipe's vLLM chunks prefills: the mode's choice, else its default (off in
+    vLLM 0.6 unless ``max_model_len`` exceeds 32768, on in V1)."""
+    if chunked_prefill is not None:
+        return chunked_prefill
+    return recipe == "v1" or max_model_len > V0_AUTO_CHUNKED_ABOVE
 
 
 @dataclass(frozen=True)
@@ -162,6 +176,11 @@ class Cell:
             self.workload,
             self.serving.prefix_caching,
         )
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether the cell's servers chunk prefills (the mode's choice or the recipe's default)."""
+        return chunks_prefill(self.recipe, self.mode.chunked_prefill, self.serving.max_model_len)
 
     @property
     def instance_gpus(self) -> tuple[tuple[int, ...], ...]:

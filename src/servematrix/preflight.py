@@ -21,7 +21,7 @@ from servematrix.engine.architecture import (
 from servematrix.engine.hardware import DEFAULT_GPU, gpu_spec
 from servematrix.engine.kvcache import BLOCK_SIZE_TOKENS, KvMemoryPlan, ModelDoesNotFitError
 from servematrix.engine.setup import EngineFlags, plan_engine, step_time_model, warn_fallback
-from servematrix.matrix import Cell, Config, ConfigError
+from servematrix.matrix import V0_AUTO_CHUNKED_ABOVE, Cell, Config, ConfigError
 from servematrix.workload import WorkloadError, check_dataset
 
 
@@ -31,6 +31,7 @@ def check(cfg: Config) -> None:
     _check_architectures(cfg)
     _check_datasets(cfg)
     _check_context(cfg)
+    _check_plain_prefill(cfg)
     _check_engine_fits(cfg)
 
 
@@ -83,6 +84,24 @@ def _check_context(cfg: Config) -> None:
             if refusal is not None:
                 where = _where(cfg, name, "max_model_len")
                 raise ConfigError(where, f"{cell.model.name}: {refusal}")
+
+
+def _check_plain_prefill(cfg: Config) -> None:
+    """A plain-prefill mode on v0 with a max_model_len above 32768: vLLM 0.6 chunks prefills by
+    itself there, and the v0 recipe (the published command lines) passes no flag against it, so
+    the cell would not run the mode it is named after (an external server is the user's own)."""
+    for name, study in cfg.studies.items():
+        for cell in study.cells:
+            mode, max_model_len = cell.mode, cell.serving.max_model_len
+            if cell.backend == "external" or mode.chunked_prefill is not False:
+                continue
+            if cell.recipe == "v0" and max_model_len > V0_AUTO_CHUNKED_ABOVE:
+                raise ConfigError(
+                    f"studies.{name}.modes[{study.modes.index(mode.name)}]",
+                    f"mode {mode.name!r} is plain prefill, but vLLM 0.6 (recipe v0) chunks "
+                    f"prefills by itself above max_model_len {V0_AUTO_CHUNKED_ABOVE} (here "
+                    f"{max_model_len}): lower max_model_len, or use recipe v1",
+                )
 
 
 def _check_engine_fits(cfg: Config) -> None:

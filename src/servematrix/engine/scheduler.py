@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from servematrix.engine.kvcache import BlockPool
+from servematrix.matrix import chunks_prefill
 
 V0_DEFAULT_WATERMARK = 0.01
 """V0 ``CacheConfig``/``BlockSpaceManager`` watermark: 1 % of blocks stay free on admission."""
@@ -92,8 +93,8 @@ def scheduler_config(
 def _default_scheduler_config(
     recipe: str, chunked_prefill: bool | None, max_model_len: int, gpu_name: str
 ) -> SchedulerConfig:
+    chunked = chunks_prefill(recipe, chunked_prefill, max_model_len)
     if recipe == "v0":
-        chunked = bool(chunked_prefill) or (chunked_prefill is None and max_model_len > 32768)
         budget = V1_MIN_BATCHED_TOKENS if chunked else max(max_model_len, V1_MIN_BATCHED_TOKENS)
         return SchedulerConfig(
             policy="decode_first" if chunked else "prefill_first",
@@ -104,7 +105,6 @@ def _default_scheduler_config(
             preempt_blocks_admission=False,
         )
     if recipe == "v1":
-        chunked = chunked_prefill is not False
         large = gpu_name.startswith(("H100", "H200"))
         budget, seqs = (8192, 1024) if large else (2048, 256)
         if not chunked:

@@ -4,13 +4,13 @@ comparisons the published studies drew, as tables and sentences with numbers.
 Nothing here knows a study by name. The recommendation answers the study's question (the
 config's, or what varies: ``recommend.study_question``); which comparisons follow depends only
 on what the summary contains: several modes are compared within each model (plain vs chunked
-prefill, RDMA vs TCP, aggregated vs disaggregated when those modes are present); several models
-of one mode are ranked against each other. Latencies are compared between steady points only:
-a point the summary marks overloaded (``steady`` False, its queue growing) is named as such,
-never compared as if steady. Every number is computed from the summary and the capacity table.
-Modules: ``common`` (metrics, groups, formats), ``recommend`` (the answer), ``compare``
-(configurations against each other), ``health`` (limits and the harness), ``reuse`` (prefix
-reuse against what a trace allows), ``render``.
+prefill on two instances or on one, RDMA vs TCP, aggregated vs disaggregated when those modes
+are present); several models of one mode are ranked against each other. Latencies are
+compared between steady points only: a point the summary marks overloaded (``steady`` False,
+its queue growing) is named as such, never compared as if steady. Every number is computed
+from the summary and the capacity table. Modules: ``common`` (metrics, groups, formats),
+``recommend`` (the answer), ``compare`` (configurations against each other), ``health``
+(limits and the harness), ``reuse`` (prefix reuse against what a trace allows), ``render``.
 """
 
 from __future__ import annotations
@@ -124,6 +124,13 @@ def study_findings(
             "Plain vs chunked prefill",
             "nondisagg",
             "chunked",
+            [MEAN_TTFT, P99_TPOT, P99_ITL],
+            steady,
+        ),
+        pair_section(
+            "Plain vs chunked prefill, one instance",
+            "single-plain",
+            "single-chunked",
             [MEAN_TTFT, P99_TPOT, P99_ITL],
             steady,
         ),
