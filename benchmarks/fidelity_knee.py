@@ -7,8 +7,8 @@ rate, and its capacity the rate at which mean TTFT first exceeds `SLO_MEAN_TTFT_
 interpolated between neighbouring points on a log-log scale (`crossing`). A published sweep is
 coarse, so either may only be bracketed: it never bends up to its highest rate, it bends between
 a finite rate and rate inf (no rate to interpolate to), or it is already past the threshold at its
-lowest rate. The simulator's curve is a finer sweep of the same setup (`simulated_curve`: steps of
-`GRID_STEP` from the lowest published rate, each rate simulated as the published run of the
+lowest rate. The simulator's curve is a finer sweep of the same setup (`simulated_curve`: eight
+steps per doubling from the lowest published rate, each rate simulated as the published run of the
 nearest published rate at or below it), and its crossing is found the same way on it. The error
 of one against the other is that of the nearest ends of the two ranges (`range_error`): 0 when
 they overlap.
@@ -27,8 +27,9 @@ KNEE_FACTOR = 3.0
 """The knee: mean TTFT first above this multiple of its lowest-rate value (issue 42)."""
 SLO_MEAN_TTFT_MS = 500.0
 """The SLO the capacity is stated at: mean TTFT at most 500 ms (an interactive chat target)."""
-GRID_STEP = 2 ** (1 / 8)
-"""The simulated sweep's step between rates (9 %): finer than the ±15 % the knee is judged by."""
+GRID_STEPS_PER_DOUBLING = 8
+"""The simulated sweep's steps per doubling of the rate (9 % each): finer than the ±15 % the knee
+is judged by, and exact at the published rates that are a power of two apart."""
 GRID_SPAN = 64.0
 """How far above the lowest published rate a sweep that ends at rate inf is simulated."""
 KNEE_TOLERANCE = 0.15
@@ -114,10 +115,10 @@ class Knee:
 
 
 def simulated_curve(sweep: Sweep) -> tuple[list[float], list[float]]:
-    """The simulator's mean TTFT on a finer sweep: from the lowest published rate in steps of
-    `GRID_STEP` up to the highest finite published rate, or, when the published sweep ends at
-    rate inf, on until the curve is past both the knee and the SLO (at most `GRID_SPAN` times
-    the lowest rate), then at rate inf itself."""
+    """The simulator's mean TTFT on a finer sweep: from the lowest published rate in
+    `GRID_STEPS_PER_DOUBLING` steps per doubling up to the highest finite published rate, or,
+    when the published sweep ends at rate inf, on until the curve is past both the knee and the
+    SLO (at most `GRID_SPAN` times the lowest rate), then at rate inf itself."""
     finite = [rate for rate in sweep.rates if not math.isinf(rate)]
     ends_at_inf = len(finite) < len(sweep.rates)
     top = finite[0] * GRID_SPAN if ends_at_inf else finite[-1]
@@ -136,8 +137,8 @@ def simulated_curve(sweep: Sweep) -> tuple[list[float], list[float]]:
 
 
 def _geometric(low: float, high: float) -> list[float]:
-    steps = math.floor(math.log(high / low) / math.log(GRID_STEP) + 1e-9)
-    return [low * GRID_STEP**k for k in range(steps + 1)]
+    steps = math.floor(GRID_STEPS_PER_DOUBLING * math.log2(high / low) + 1e-9)
+    return [low * 2 ** (k / GRID_STEPS_PER_DOUBLING) for k in range(steps + 1)]
 
 
 def _stop_ms(lowest_ms: float) -> float:

@@ -56,3 +56,8 @@ def test_the_error_is_relative_between_points_and_zero_for_overlapping_ranges() 
     assert range_error(Crossing(16.0, math.inf), Crossing(92.0, 92.0)) == 0.0
     assert range_error(Crossing(16.0, math.inf), Crossing(8.0, 8.0)) == pytest.approx(-0.5)
     assert range_error(Crossing(0.0, 2.0), Crossing(3.0, 3.0)) == pytest.approx(0.5)
+
+
+def test_the_simulated_grid_lands_exactly_on_rates_a_power_of_two_apart() -> None:
+    grid = fidelity_knee._geometric(2.0, 8.0)
+    assert len(grid) == 17 and grid[8] == 4.0 and grid[-1] == 8.0
