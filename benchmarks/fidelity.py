@@ -45,10 +45,12 @@ import statistics
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from fidelity_blis import blis_points, load_blis_runs
 from fidelity_cross_gpu import cross_gpu_ratios, format_cross_gpu
+from fidelity_knee import Sweep, format_knees, knee, validation_sweeps
 from fidelity_points import (
     BAND,
     FAMILIES,
@@ -451,6 +453,30 @@ def calibration_points(runs: Sequence[Sequence[Comparison]]) -> list[Point]:
     return points
 
 
+def mooncake_sweeps(rows: Sequence[PublishedRow]) -> list[Sweep]:
+    """The published rows of one table and setting at several request rates (v0.1-in256 and
+    v0.2-qps), each rate simulated as the row of the highest rate at or below it."""
+    groups: dict[tuple[object, ...], list[PublishedRow]] = {}
+    for row in rows:
+        key = (row.table, row.setting, row.nics, row.tp, row.input_len)
+        groups.setdefault(key, []).append(row)
+    sweeps = []
+    for group in groups.values():
+        group.sort(key=lambda row: row.qps)
+        if len({row.qps for row in group}) < 2:
+            continue
+        label = f"mooncake-{group[0].doc} {group[0].label.rsplit(' q', 1)[0]}"
+        rates = tuple(row.qps for row in group)
+        ttft = tuple(row.metrics_ms["mean_ttft_ms"] for row in group)
+        sweeps.append(Sweep("calibration", label, rates, ttft, partial(_mooncake_ttft, group)))
+    return sweeps
+
+
+def _mooncake_ttft(group: Sequence[PublishedRow], rate: float) -> float:
+    template = [row for row in group if row.qps <= rate][-1]
+    return predict(setup_for(replace(template, qps=rate)).cell).mean_ttft_ms
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -509,6 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         points += calibration
         blocks.append(format_breakdown(calibration, args.seeds, "CALIBRATION"))
         blocks.append(format_mape(calibration, "CALIBRATION"))
+        blocks.append(format_knees([knee(sweep) for sweep in mooncake_sweeps(rows)]))
     if args.set in ("validation", "both"):
         runs = load_validation()
         validation, skipped = validation_points(runs, args.seeds)
@@ -519,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         blocks.append(format_breakdown(validation, args.seeds, "VALIDATION"))
         blocks.append(format_without_e2e(validation))
         blocks.append(format_mape(validation, "VALIDATION"))
+        blocks.append(format_knees([knee(sweep) for sweep in validation_sweeps(runs)]))
         blocks.append(format_vs_blis([p for p in validation if p.metric in SERVE_METRICS]))
         blocks.append(format_goals(validation))
         blocks.append(format_cross_gpu(cross_gpu_ratios(runs, validation)))

@@ -193,11 +193,14 @@ def v1_memory_utilization(run: ValidationRun) -> float:
     return run.gpu_memory_utilization - extra_gib / gpu_spec(run.gpu).memory_gib
 
 
-def predict_validation(run: ValidationRun, seed: int) -> dict[str, float]:
-    """The simulator's value of every metric the run publishes."""
+def predict_validation(
+    run: ValidationRun, seed: int, request_rate: float | None = None
+) -> dict[str, float]:
+    """The simulator's value of every metric the run publishes; a ``serve`` run's at another
+    ``request_rate`` when given (the same prompts, priming and client, sent at that rate)."""
     if run.interface == "offline-llm":
         return _predict_offline(run, seed)
-    return _predict_serve(run, seed)
+    return _predict_serve(run, seed, request_rate)
 
 
 def _offline_setup(run: ValidationRun, **overrides: Any) -> Any:
@@ -236,23 +239,27 @@ def _predict_offline(run: ValidationRun, seed: int) -> dict[str, float]:
     return {"speed_tokens_per_s": run.output_len / elapsed_s}
 
 
-def _predict_serve(run: ValidationRun, seed: int) -> dict[str, float]:
+def _predict_serve(
+    run: ValidationRun, seed: int, request_rate: float | None = None
+) -> dict[str, float]:
     """An OpenAI server and ``vllm bench serve`` (one warm-up request, then the run), with the
     client's ``--max-concurrency`` cap. A ``sharegpt`` run is simulated at every request's
     published lengths where its result files give them (`request_lengths`; the warm-up request
     is the first, as the client's test prompt), at another run's lengths of the same prompts
     (`BORROWED_PROMPTS`), else at its published means (the row's note says so): the simulator
-    has no ShareGPT copy."""
+    has no ShareGPT copy. ``request_rate`` replaces the published rate of the cell and the
+    send times only."""
+    sent = run if request_rate is None else replace(run, request_rate=request_rate)
     borrowed = BORROWED_PROMPTS.get(run.label)
     if borrowed is None:
-        return _serve_values(run, _serve_cell(run, seed, request_lengths(run)))
+        return _serve_values(run, _serve_cell(sent, seed, request_lengths(run)), sent)
     with tempfile.TemporaryDirectory() as directory:
         lengths = Path(directory) / "lengths.jsonl"
         rows = borrowed_lengths(run, *borrowed)
         template = CHAT_SOURCES.get(run.source, 0)
         lines = [json.dumps({"input_len": i + template, "output_len": o}) for i, o in rows]
         lengths.write_text("\n".join(lines) + "\n")
-        return _serve_values(run, _serve_cell(run, seed, lengths))
+        return _serve_values(run, _serve_cell(sent, seed, lengths), sent)
 
 
 def _serve_cell(run: ValidationRun, seed: int, lengths: Path | None) -> Cell:
@@ -296,8 +303,9 @@ def _serve_cell(run: ValidationRun, seed: int, lengths: Path | None) -> Cell:
     )
 
 
-def _serve_values(run: ValidationRun, cell: Cell) -> dict[str, float]:
-    schedules = published_sends(run)
+def _serve_values(run: ValidationRun, cell: Cell, sent: ValidationRun) -> dict[str, float]:
+    """The run's metrics, its requests sent as ``sent`` (the run, or it at another rate) was."""
+    schedules = published_sends(sent)
     chat = run.source in CHAT_SOURCES
     if run.label in PRIMED_RUNS:
         runs = [_predict_primed(run, cell, schedules[0] if schedules else [0.0] * run.num_prompts)]

@@ -20,16 +20,43 @@ QWEN3_14B = load_architecture("qwen3-14b")  # 40 query heads, 8 KV heads, 40 lay
 MIXED = StepBatch(prefill_chunks=((1950, 0),), decode_contexts=(2048,) * 98)
 
 
-def test_mixed_step_reads_each_decodes_kv_once_per_query_head():
-    """98 decodes of 2,048 tokens beside a prefill chunk: the KV (160 KiB per token) is read
-    5 times instead of once, 4 x 32.9 GB more at 78 % of 2.039 TB/s: 82.8 ms."""
+def test_mixed_step_reads_each_decodes_kv_once_per_query_head_beyond_the_l2():
+    """98 decodes of 2,048 tokens beside a prefill chunk: one KV head's slice of the step
+    (202,654 tokens x 512 bytes, 104 MB) overflows a 20 MiB L2 partition, so the KV (160 KiB
+    per token) is read 5 times instead of once, 4 x 32.9 GB more at 78 % of 2.039 TB/s:
+    82.8 ms, longer than the padded tiles' compute."""
     base = RooflineStepTime(QWEN3_14B, A100, 1)
     model = WithMixedStepKvReads(base, QWEN3_14B, A100, 1)
     kv_bytes = 98 * 2048 * 2 * 40 * 8 * 128 * 2
     expected_ms = 4 * kv_bytes / (2.039e12 * 0.78) * 1e3
     assert model.step_ms(MIXED) - base.step_ms(MIXED) == pytest.approx(expected_ms)
     assert expected_ms == pytest.approx(82.8, abs=0.1)
-    assert model.label == "FA2 mixed steps read decode KV x5"
+    assert model.label == "FA2 mixed steps: decode KV x5 beyond L2, 64-row tiles"
+
+
+def test_a_slice_that_fits_one_l2_partition_is_reread_from_the_l2():
+    """30 decodes of 600 tokens and a 512-token chunk: 18,512 tokens x 512 bytes (9.5 MB) fit
+    in 20 MiB, so the KV comes from HBM once; the decodes then cost the 64-row tiles' compute,
+    4 x 64 x 128 FLOP per token and query head (40 heads, 40 layers) at 73 % of 312 TF/s."""
+    base = RooflineStepTime(QWEN3_14B, A100, 1)
+    model = WithMixedStepKvReads(base, QWEN3_14B, A100, 1)
+    batch = StepBatch(prefill_chunks=((512, 0),), decode_contexts=(600,) * 30)
+    tokens = 30 * 600
+    tile_ms = tokens * 4 * 64 * 128 * 40 * 40 / (312e12 * 0.73) * 1e3
+    once_ms = tokens * 2 * 40 * 8 * 128 * 2 / (2.039e12 * 0.78) * 1e3
+    assert model.step_ms(batch) - base.step_ms(batch) == pytest.approx(tile_ms - once_ms)
+    assert tile_ms - once_ms == pytest.approx(2.29, abs=0.01)
+
+
+def test_the_l2_threshold_is_one_partition_of_the_slice_of_every_sequence():
+    """A100: 40 MiB in two partitions, 512 bytes per token and KV head: 40,960 tokens."""
+    assert A100.l2_partition_bytes == 20 * 2**20
+    model = WithMixedStepKvReads(RooflineStepTime(QWEN3_14B, A100, 1), QWEN3_14B, A100, 1)
+    fits = StepBatch(prefill_chunks=((960, 0),), decode_contexts=(1000,) * 40)
+    overflows = StepBatch(prefill_chunks=((961, 0),), decode_contexts=(1000,) * 40)
+    once_ms = 40_000 * model.read_ms_per_token
+    assert model.extra_ms(overflows) == pytest.approx(4 * once_ms)
+    assert model.extra_ms(fits) < 2 * once_ms
 
 
 @pytest.mark.parametrize(
@@ -79,7 +106,7 @@ def _setup(gpu: str, recipe: str):
 
 def test_engine_setup_applies_it_to_v1_on_a100_only():
     v1_a100 = _setup("A100-SXM4-80GB", "v1")
-    assert "FA2 mixed steps read decode KV x5" in v1_a100.step_time_label
+    assert "FA2 mixed steps: decode KV x5" in v1_a100.step_time_label
     assert (
         v1_a100.step_time.step_ms(MIXED)
         > v1_a100.step_time.step_ms(StepBatch(prefill_chunks=((1950, 0),))) + 80

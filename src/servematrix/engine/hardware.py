@@ -22,7 +22,11 @@ class GpuSpec:
     TP group (NVLink, or the effective PCIe all-reduce bandwidth on PCIe cards);
     ``host_link_gb_s`` the per-direction bandwidth of its PCIe link to the host (the datasheet's
     x16 rate: Gen4 32 GB/s, Gen5 64 GB/s), which CPU KV offloading copies over;
-    ``compute_capability`` the CUDA one (vLLM picks FlashAttention-3 on 9.x, version 2 below)."""
+    ``compute_capability`` the CUDA one (vLLM picks FlashAttention-3 on 9.x, version 2 below);
+    ``l2_mib`` the L2 cache and ``l2_partitions`` the partitions it is split into, each of which
+    caches what the SMs attached to it read (so data every SM reads is held once per partition:
+    NVIDIA A100 Tensor Core GPU Architecture whitepaper, "L2 cache"; the H100 whitepaper's
+    "L2 cache" keeps the split)."""
 
     name: str
     memory_gib: float
@@ -33,6 +37,8 @@ class GpuSpec:
     nvlink: bool
     host_link_gb_s: float
     compute_capability: float
+    l2_mib: float
+    l2_partitions: int
 
     @property
     def memory_bytes(self) -> float:
@@ -46,27 +52,44 @@ class GpuSpec:
     def bf16_flops_per_s(self) -> float:
         return self.bf16_dense_tflops * 1e12
 
+    @property
+    def l2_partition_bytes(self) -> float:
+        """What one L2 partition holds: the capacity for data that SMs on every partition read."""
+        return self.l2_mib * 2**20 / self.l2_partitions
+
 
 GPUS: dict[str, GpuSpec] = {
     # NVIDIA A100 datasheet (SXM4 80GB): 2,039 GB/s HBM2e, 312 TF BF16 dense, NVLink 3
     # 600 GB/s bidirectional = 300 GB/s per direction. The driver reports 79.15 GiB.
-    "A100-SXM4-80GB": GpuSpec("A100-SXM4-80GB", 79.15, 2.039, 312.0, None, 300.0, True, 32.0, 8.0),
+    # 40 MB L2 in two partitions (A100 whitepaper).
+    "A100-SXM4-80GB": GpuSpec(
+        "A100-SXM4-80GB", 79.15, 2.039, 312.0, None, 300.0, True, 32.0, 8.0, 40.0, 2
+    ),
     # NVIDIA A100 datasheet (SXM4 40GB): the same die, 1,555 GB/s HBM2. PyTorch reports 39.39 GiB
     # total capacity on it (its out-of-memory messages in public run logs).
-    "A100-SXM4-40GB": GpuSpec("A100-SXM4-40GB", 39.39, 1.555, 312.0, None, 300.0, True, 32.0, 8.0),
+    "A100-SXM4-40GB": GpuSpec(
+        "A100-SXM4-40GB", 39.39, 1.555, 312.0, None, 300.0, True, 32.0, 8.0, 40.0, 2
+    ),
     # NVIDIA H100 datasheet (SXM5): 3.35 TB/s HBM3, 989 TF BF16 / 1,979 TF FP8 dense, NVLink 4
     # 900 GB/s bidirectional. The driver reports 79.1 GiB.
-    "H100-SXM5-80GB": GpuSpec("H100-SXM5-80GB", 79.1, 3.35, 989.0, 1979.0, 450.0, True, 64.0, 9.0),
+    # 50 MB L2 in two partitions (H100 whitepaper).
+    "H100-SXM5-80GB": GpuSpec(
+        "H100-SXM5-80GB", 79.1, 3.35, 989.0, 1979.0, 450.0, True, 64.0, 9.0, 50.0, 2
+    ),
     # NVIDIA H200 datasheet: 141 GB HBM3e at 4.8 TB/s, same compute die as H100;
     # aiconfigurator h200_sxm.yaml agrees. 141 GB decimal = 131.3 GiB, ~0.5 GiB reserved.
-    "H200-SXM-141GB": GpuSpec("H200-SXM-141GB", 130.8, 4.8, 989.0, 1979.0, 450.0, True, 64.0, 9.0),
+    "H200-SXM-141GB": GpuSpec(
+        "H200-SXM-141GB", 130.8, 4.8, 989.0, 1979.0, 450.0, True, 64.0, 9.0, 50.0, 2
+    ),
     # NVIDIA A10 datasheet: 24 GB GDDR6 at 600 GB/s, 125 TF BF16 dense, PCIe Gen4 x16 only.
     # No NVLink: NCCL all-reduce over PCIe reaches ~16 GB/s effective bus bandwidth
     # (nccl-tests on PCIe Gen4 hosts; approximate). The driver reports 22.1 GiB.
-    "A10-24GB": GpuSpec("A10-24GB", 22.1, 0.600, 125.0, None, 16.0, False, 32.0, 8.6),
+    # GA102: 6 MB L2 (NVIDIA Ampere GA102 GPU Architecture whitepaper).
+    "A10-24GB": GpuSpec("A10-24GB", 22.1, 0.600, 125.0, None, 16.0, False, 32.0, 8.6, 6.0, 1),
     # NVIDIA L40S datasheet: 48 GB GDDR6 at 864 GB/s, 362 TF BF16 / 733 TF FP8 dense
     # (the 1,466 TF figure is sparse), PCIe Gen4 x16. The driver reports 44.4 GiB.
-    "L40S-48GB": GpuSpec("L40S-48GB", 44.4, 0.864, 362.0, 733.0, 16.0, False, 32.0, 8.9),
+    # AD102: 96 MB L2 (NVIDIA Ada GPU Architecture whitepaper).
+    "L40S-48GB": GpuSpec("L40S-48GB", 44.4, 0.864, 362.0, 733.0, 16.0, False, 32.0, 8.9, 96.0, 1),
 }
 
 
