@@ -117,7 +117,7 @@ def probe_cell(cell: Cell, slo: Slo, tail_requests: int = steady.TAIL_REQUESTS) 
     table = _reusable(cell)
     if table is None:
         log.info("probe %s (%d requests)", cell.path, cell.workload.num_prompts)
-        table = run_cell(cell, cell.path)
+        table = run_cell(cell, cell.path, keep_failed=True)  # failures are its verdict
     verdict = steady.judge(table, slo, tail_requests)
     return capacity.Probe(
         cell.workload.qps,
