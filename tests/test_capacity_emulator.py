@@ -5,10 +5,13 @@ injected fault), then ranked as the findings rank them."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from servematrix import capacity_run, config
+from servematrix import capacity_run, config, steady
+from servematrix.cell import CellError, run_cell
 from servematrix.deploy.supervise import port_problem
 from servematrix.findings.recommend import rankings
 from servematrix.slo import Slo
@@ -84,3 +87,18 @@ def test_a_server_failing_requests_is_never_recommended(tmp_path, monkeypatch):
     assert {p["trace"] for p in again["searches"][0]["probes"]} <= {
         p["trace"] for p in broken["searches"][0]["probes"]
     }
+
+
+def test_a_probe_whose_requests_all_failed_breaks_the_slo_a_cell_fails(tmp_path, monkeypatch):
+    """Every request failing: a capacity probe keeps its trace and is judged (the SLO is
+    broken), while the same cell measured for a study fails with one line and writes nothing."""
+    monkeypatch.chdir(tmp_path)
+    cfg = config.load(_config())
+    study_cell = cfg.studies["s"].cells[0]
+    cell = replace(study_cell, workload=replace(study_cell.workload, qps=2.0, num_prompts=6))
+    monkeypatch.setenv("SERVEMATRIX_EMULATOR_FAIL_FRACTION", "1")
+    with pytest.raises(CellError, match=r"all 6 requests to http://\S+/v1/completions failed; "):
+        run_cell(cell, cell.path)
+    assert not Path(cell.path).exists()
+    verdict = steady.judge(capacity_run.run_probe(cell), cfg.slo, tail_requests=2)
+    assert not verdict.met and Path(cell.path).is_file()

@@ -103,7 +103,7 @@ def run_probe(cell: Cell) -> pa.Table:
     table = _reusable(cell)
     if table is None:
         log.info("probe %s (%d requests)", cell.path, cell.workload.num_prompts)
-        table = run_cell(cell, cell.path)
+        table = run_cell(cell, cell.path, keep_failed=True)  # failures are its verdict
     return table
 
 

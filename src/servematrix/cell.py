@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from servematrix import __version__, prefixstats, trace
-from servematrix.matrix import Cell, ConfigError
+from servematrix.files import unwritable
+from servematrix.matrix import PREDICTING_BACKEND, Cell, ConfigError
+from servematrix.progress import Progress
 from servematrix.signals import ignore_further
 from servematrix.trace import CellIdentity, RequestRecord
 
@@ -32,6 +34,10 @@ log = logging.getLogger(__name__)
 AVAILABLE_BACKENDS = ("simulator", "emulator", "vllm", "external")
 EXTERNAL_REFUSED_TIMEOUT_S = 30.0
 """The schema's default of ``deploy.refused_timeout_s``."""
+REQUEST_TIMEOUT_S = 600.0
+"""The schema's default of ``deploy.request_timeout_s`` and ``deploy.first_byte_timeout_s``."""
+PROGRESS_INTERVAL_S = 5.0
+"""How often a measured cell's progress line goes to its log and the terminal."""
 
 
 class CellError(RuntimeError):
@@ -106,6 +112,8 @@ def _measure(cell: Cell, base_url: str) -> tuple[list[RequestRecord], dict[str, 
         model=cell.model.hf_id,
         max_concurrency=w.max_concurrency,
         ignore_eos=w.ignore_eos,
+        request_timeout_s=float(cell.deploy.get("request_timeout_s", REQUEST_TIMEOUT_S)),
+        first_byte_timeout_s=float(cell.deploy.get("first_byte_timeout_s", REQUEST_TIMEOUT_S)),
         ready_timeout_s=float(cell.deploy.get("startup_timeout_s", 600.0)),
         # A server the user runs (external) refuses connections only when it is not there.
         refused_timeout_s=(
@@ -114,7 +122,10 @@ def _measure(cell: Cell, base_url: str) -> tuple[list[RequestRecord], dict[str, 
             else None
         ),
     )
-    result = loadgen.run(settings, _requests(cell))
+    progress = Progress(
+        w.num_prompts, tty=False, log_interval_s=PROGRESS_INTERVAL_S, label=f"cell {cell.path}"
+    )
+    result = loadgen.run(settings, _requests(cell), progress)
     clock = {"origin_monotonic_s": result.origin_monotonic_s}
     return result.records, {"clock": clock, "request_id_prefix": result.request_id_prefix}
 
@@ -303,13 +314,32 @@ def run_metadata(cell: Cell, started: datetime, run: BackendRun) -> dict[str, An
     }
 
 
-def run_cell(cell: Cell, output: str | Path) -> pa.Table:
+def run_cell(cell: Cell, output: str | Path, keep_failed: bool = False) -> pa.Table:
     """Serve (or simulate) the cell's workload and write its trace to ``output`` (returned, as
-    `trace.read` would return it)."""
+    `trace.read` would return it).
+
+    A served cell whose measured requests all failed (or more than ``deploy.max_failed_share``
+    of them) is no result: CellError, and nothing is written, so the next run measures it
+    again. ``keep_failed`` writes it anyway: a capacity probe's failures are its verdict."""
     check_backend(cell.backend)
+    problem = unwritable(output)
+    if problem is not None:
+        raise CellError(f"cannot write the trace: {problem}")
     started = datetime.now(UTC)
     log.info("cell %s: backend %s, %d requests", cell.path, cell.backend, cell.workload.num_prompts)
     run = _BACKENDS[cell.backend](cell)
     failed = sum(not r.success for r in run.records)
     log.info("cell %s: %d rows, %d failed", cell.path, len(run.records), failed)
+    if cell.backend != PREDICTING_BACKEND and not keep_failed:
+        _check_failures(cell, run)
     return trace.write(output, identity(cell), run.records, run_metadata(cell, started, run))
+
+
+def _check_failures(cell: Cell, run: BackendRun) -> None:
+    from servematrix import loadgen
+
+    url = f"{loadgen.normalize_base_url(run.deployment['base_url'])}/completions"
+    share = float(cell.deploy.get("max_failed_share", 1.0))
+    failure = loadgen.failure(run.records, url, share)
+    if failure is not None:
+        raise CellError(f"{failure}; no trace written")

@@ -33,6 +33,30 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
         Path(tmp).unlink(missing_ok=True)
 
 
+def unwritable(target: str | os.PathLike[str]) -> str | None:
+    """Why ``target`` cannot be written as a file (`atomic_path` would fail), else None.
+
+    Tried, not asked: ``os.access`` says yes to root everywhere, /proc included. A temporary
+    file is made and removed in the nearest directory that exists (the rest of the path
+    would be created there)."""
+    target = Path(target)
+    if target.is_dir():
+        return f"{target} is a directory"
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{target}: cannot write in {parent} (not a directory)"
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=parent)
+    except OSError as error:
+        why = error.strerror or str(error)
+        return f"{target}: cannot write in {parent} (creating a file there fails: {why})"
+    os.close(fd)
+    os.unlink(tmp)
+    return None
+
+
 def _umask() -> int:
     current = os.umask(0)
     os.umask(current)

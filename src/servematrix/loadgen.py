@@ -47,7 +47,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from typing import TYPE_CHECKING, Any
@@ -62,6 +62,7 @@ from servematrix.prompts import encode_body
 from servematrix.senders import (
     CLIENTS,
     AiohttpSender,
+    Limits,
     OpenAISender,
     Sender,
     api_key,
@@ -133,6 +134,8 @@ class ClientSettings:
     refuses until it listens)."""
     prompt_format: str = "auto"  # see prompts.PROMPT_FORMATS
     tokenizer: str | None = None  # decodes id prompts to text (default: the model's)
+    first_byte_timeout_s: float = 600.0
+    """A request whose answer has not begun this long fails (see `senders.Limits`)."""
 
     def __post_init__(self) -> None:
         self.base_url = normalize_base_url(self.base_url)
@@ -147,10 +150,19 @@ class ClientSettings:
             raise LoadgenError("model name is empty")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise LoadgenError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
-        for name in ("request_timeout_s", "ready_timeout_s", "refused_timeout_s"):
+        timeouts = ("request_timeout_s", "first_byte_timeout_s", "ready_timeout_s")
+        for name in (*timeouts, "refused_timeout_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise LoadgenError(f"{name} must be > 0, got {value}")
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.request_timeout_s, self.first_byte_timeout_s)
+
+    @property
+    def completions_url(self) -> str:
+        return f"{self.base_url}/completions"
 
     @property
     def server_root(self) -> str:
@@ -324,7 +336,6 @@ async def run_requests(
     bodies, headers = _encode(requests, settings, prefix)
     max_in_flight = min(settings.max_concurrency or len(requests), len(requests))
     raise_file_limit(max_in_flight + 64)
-    timeout_s = settings.request_timeout_s
     async with client_session(max_in_flight) as session:
         ready_url = await wait_ready(settings, session)
         sdk_client = None
@@ -339,7 +350,7 @@ async def run_requests(
         gc.collect()
         gc.freeze()
         try:
-            warm, refused = await _warm_up(send, requests, bodies, headers, timeout_s)
+            warm, refused = await _warm_up(send, settings, requests, bodies, headers)
             ids = any(isinstance(r.prompt, list) for r in requests)
             if (
                 refused
@@ -350,7 +361,7 @@ async def run_requests(
                 log.warning("the server refuses token-id prompts (%s); sending text", refused)
                 requests, how = _as_text(requests, settings)
                 bodies, headers = _encode(requests, settings, prefix)
-                warm, refused = await _warm_up(send, requests, bodies, headers, timeout_s)
+                warm, refused = await _warm_up(send, settings, requests, bodies, headers)
             if refused:
                 raise LoadgenError(
                     f"the server at {settings.server_root} refused the warm-up request "
@@ -361,9 +372,7 @@ async def run_requests(
                 key=lambda r: (r.after_id is not None, r.scheduled_s),
             )
             await send.open_connections(ready_url, min(max_in_flight, PREOPEN_CONNECTIONS))
-            result = await _run(
-                send, settings, warm, measured, bodies, headers, timeout_s, prefix, progress
-            )
+            result = await _run(send, settings, warm, measured, bodies, headers, prefix, progress)
         finally:
             gc.unfreeze()
             if sdk_client is not None:
@@ -376,21 +385,52 @@ async def run_requests(
 
 async def _warm_up(
     send: Sender,
+    settings: ClientSettings,
     requests: Sequence[RequestSpec],
     bodies: dict[int, bytes],
     headers: dict[int, dict[str, str]],
-    timeout_s: float,
 ) -> tuple[list[tuple[RequestSpec, StreamParser]], str | None]:
-    """The warm-up requests, one at a time, until one is refused with a 4xx (then its error)."""
+    """The warm-up requests, one at a time, until one is refused with a 4xx (then its error).
+
+    A warm-up that hangs says so every ``WAIT_REPORT_S``; one that times out stops the run
+    (LoadgenError): every measured request would wait as long. Any other failure (an HTTP 500,
+    a dropped connection) is a warning, and the measured requests say whether it lasts."""
     warm: list[tuple[RequestSpec, StreamParser]] = []
     for spec in (r for r in requests if r.warmup):
-        raw = await send_one(send, bodies[spec.request_id], headers[spec.request_id], timeout_s)
+        sending = send_one(send, bodies[spec.request_id], headers[spec.request_id], settings.limits)
+        raw = await _reporting_wait(sending, settings, spec.request_id)
         warm.append((spec, raw))
         if raw.status is not None and 400 <= raw.status < 500:
             return warm, raw.error
+        if raw.timed_out:
+            raise LoadgenError(
+                f"the warm-up request to {settings.completions_url} got no answer: "
+                f"{raw.error}; no measured request was sent"
+            )
         if raw.error:
             log.warning("warm-up request %d failed: %s", spec.request_id, raw.error)
     return warm, None
+
+
+async def _reporting_wait(
+    sending: Coroutine[Any, Any, StreamParser], settings: ClientSettings, request_id: int
+) -> StreamParser:
+    """The warm-up's answer; meanwhile, every ``WAIT_REPORT_S``, a line saying what it waits
+    for, how long so far and the limit."""
+    task = asyncio.ensure_future(sending)
+    began = time.monotonic()
+    while not (await asyncio.wait({task}, timeout=WAIT_REPORT_S))[0]:
+        log.info(
+            "warm-up request %d: waiting for %s to answer: %.0f s so far (gives up at %g s "
+            "without a first byte, %g s in all)",
+            request_id,
+            settings.completions_url,
+            time.monotonic() - began,
+            min(settings.first_byte_timeout_s, settings.request_timeout_s),
+            settings.request_timeout_s,
+            extra=TERMINAL,
+        )
+    return task.result()
 
 
 async def _run(
@@ -400,7 +440,6 @@ async def _run(
     measured: list[RequestSpec],
     bodies: dict[int, bytes],
     headers: dict[int, dict[str, str]],
-    timeout_s: float,
     prefix: str,
     progress: Progress | None,
 ) -> RunResult:
@@ -412,10 +451,11 @@ async def _run(
     slots = asyncio.Semaphore(settings.max_concurrency) if settings.max_concurrency else None
     following = {spec.after_id: spec for spec in measured if spec.after_id is not None}
     scheduled: dict[int, float] = {}
+    limits = settings.limits
 
     async def one(spec: RequestSpec) -> None:
         try:
-            raw = await send_one(send, bodies[spec.request_id], headers[spec.request_id], timeout_s)
+            raw = await send_one(send, bodies[spec.request_id], headers[spec.request_id], limits)
         finally:
             if slots is not None:
                 slots.release()
@@ -478,3 +518,23 @@ def run(
     settings: ClientSettings, requests: Sequence[RequestSpec], progress: Progress | None = None
 ) -> RunResult:
     return asyncio.run(run_requests(settings, requests, progress))
+
+
+def failure(
+    records: Sequence[RequestRecord], url: str, max_failed_share: float = 1.0
+) -> str | None:
+    """Why a run's requests are no result, or None: every measured request failed, or more
+    than ``max_failed_share`` of them did. Names the URL they went to and the first error."""
+    measured = [r for r in records if not r.warmup]
+    failed = [r for r in measured if not r.success]
+    if not failed:
+        return None
+    first = f"first: {failed[0].error}"
+    if len(failed) == len(measured):
+        return f"all {len(measured)} requests to {url} failed; {first}"
+    if len(failed) > max_failed_share * len(measured):
+        return (
+            f"{len(failed)} of {len(measured)} requests to {url} failed, more than "
+            f"max_failed_share {max_failed_share:g} allows; {first}"
+        )
+    return None

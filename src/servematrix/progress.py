@@ -1,4 +1,9 @@
-"""The load generator's progress line: done / failed / elapsed / achieved rate."""
+"""The load generator's progress line: done / failed / elapsed / achieved rate.
+
+Off a terminal (a workflow's cell, its output captured) the line is a log record marked for
+the terminal (`servematrix.terminal`): a cell's job log gets it, and so does the person
+watching Snakemake.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import logging
 import sys
 import time
 from typing import TextIO
+
+from servematrix.terminal import TERMINAL
 
 log = logging.getLogger("servematrix.loadgen")
 
@@ -24,6 +31,7 @@ class Progress:
         stream: TextIO | None = None,
         tty: bool | None = None,
         log_interval_s: float = 5.0,
+        label: str = "requests",
     ):
         self.total = total
         self.done = 0
@@ -31,6 +39,7 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.tty = self.stream.isatty() if tty is None else tty
         self.interval_s = 0.2 if self.tty else log_interval_s
+        self.label = label
         self._start = time.monotonic()
 
     def finished(self, success: bool) -> None:
@@ -56,7 +65,7 @@ class Progress:
             self.stream.write(f"\r[{bar}] {self.line()}\x1b[K")
             self.stream.flush()
         else:
-            log.info("requests: %s", self.line())
+            log.info("%s: %s", self.label, self.line(), extra=TERMINAL)
 
     def close(self) -> None:
         self.report()

@@ -11,10 +11,12 @@ never an exception: one bad request never stops a cell.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import resource
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
@@ -117,27 +119,74 @@ class Sender(Protocol):
         """``count`` concurrent GETs of ``url``, leaving that many connections in the pool."""
 
 
+@dataclass(frozen=True)
+class Limits:
+    """How long one request may take: in all (``request_timeout_s``), and until the first bytes
+    of its answer (``first_byte_timeout_s``: a server that hangs before answering is caught
+    without waiting for the whole request's limit)."""
+
+    request_timeout_s: float
+    first_byte_timeout_s: float
+
+
 async def send_one(
-    send: Sender, body: bytes, headers: dict[str, str], timeout_s: float
+    send: Sender, body: bytes, headers: dict[str, str], limits: Limits
 ) -> StreamParser:
     """Send one request now and consume its stream; never raises (errors go into the result)."""
     out = StreamParser()
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    first_s = min(limits.first_byte_timeout_s, limits.request_timeout_s)
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout_at(began + first_s) as timer:
+            out.on_first_bytes = functools.partial(
+                timer.reschedule, began + limits.request_timeout_s
+            )
             out.sent = time.monotonic()
             await send(body, headers, out)
     except TimeoutError:
-        out.error = f"timed out after {timeout_s:g} s"
+        out.error, out.timed_out = _timed_out(out, limits, first_s), True
     except HTTPStatusError as error:
         out.error, out.status = str(error), error.status
     except (aiohttp.ClientError, openai.APIConnectionError, httpx2.TransportError) as error:
-        out.error = f"connection error: {describe(root_cause(error))}"
+        out.error = f"connection error: {_connection_problem(out, error)}"
     except Exception as error:  # the row records it; one bad request never stops the cell
         out.error = describe(error)
+    out.on_first_bytes = None
     out.finish()
     if out.sent == 0.0:
         out.sent = time.monotonic()
     return out
+
+
+def _timed_out(out: StreamParser, limits: Limits, first_s: float) -> str:
+    answered = out.on_first_bytes is None
+    if not answered and first_s < limits.request_timeout_s:
+        return f"no answer within the first-byte timeout of {first_s:g} s"
+    return f"timed out after {limits.request_timeout_s:g} s"
+
+
+DROPPED = (
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientPayloadError,
+    aiohttp.http_exceptions.PayloadEncodingError,
+    httpx2.RemoteProtocolError,
+)
+"""A connection the server closed before its answer was complete (whichever client saw it)."""
+
+
+def _connection_problem(out: StreamParser, error: BaseException) -> str:
+    """A dropped connection says when it dropped, as an HTTP error says its status: aiohttp's
+    own texts ("Server disconnected", "400, message: Not enough data ...") do not."""
+    cause = root_cause(error)
+    if not isinstance(cause, DROPPED) and not isinstance(error, DROPPED):
+        return describe(cause)
+    reason = getattr(cause, "message", None) or str(cause)
+    why = f"{type(cause).__name__}: {' '.join(str(reason).split())}"
+    if out.on_first_bytes is not None:
+        return f"the server closed the connection before answering ({why})"
+    events = len(out.chunk_s)
+    return f"the server closed the connection after {events} token event(s) ({why})"
 
 
 def _error_message(error: openai.APIStatusError) -> str:

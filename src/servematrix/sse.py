@@ -18,6 +18,7 @@ a failed row.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from servematrix.engine.admission import NO_TOKEN_ERROR
@@ -44,9 +45,11 @@ class StreamParser:
         "completion_tokens",
         "done",
         "error",
+        "on_first_bytes",
         "prompt_tokens",
         "sent",
         "status",
+        "timed_out",
     )
 
     def __init__(self) -> None:
@@ -58,10 +61,15 @@ class StreamParser:
         self.error: str | None = None
         self.done = False  # [DONE] seen
         self.status: int | None = None  # an HTTP status other than 200, when refused
+        self.timed_out = False  # ended by the client's timeout (``senders.Limits``)
         self._buffer = b""
         self._counted = 0  # completion tokens already attributed to a token event
+        self.on_first_bytes: Callable[[], None] | None = None  # called once, at the first feed
 
     def feed(self, data: bytes, arrived: float) -> None:
+        if self.on_first_bytes is not None:
+            self.on_first_bytes()
+            self.on_first_bytes = None
         lines = (self._buffer + data).split(b"\n")
         self._buffer = lines.pop()
         for line in lines:

@@ -153,6 +153,18 @@ def fail_on_config_error() -> Iterator[None]:
         sys.exit(1)
 
 
+class JobFailed(RuntimeError):
+    """An in-process job's explained error, without the frames it was raised through."""
+
+
+def _explained(error: Exception) -> bool:
+    """An error servematrix raises to say what is wrong with an input (a trace, a config, a
+    server), named in its message: a traceback would add nothing. Anything else is a bug."""
+    return type(error).__module__.startswith("servematrix.") and isinstance(
+        error, ValueError | RuntimeError
+    )
+
+
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _IN_PROCESS = threading.Lock()
 
@@ -181,8 +193,14 @@ def in_process_job(log_path: str) -> Iterator[logging.Logger]:
         try:
             yield logger
         except Exception as error:
-            logger.error("job failed: %s", error, exc_info=True)
-            raise
+            if not _explained(error):
+                logger.error("job failed: %s", error, exc_info=True)
+                raise
+            # One line on the terminal and in the log. Snakemake prints the frames any
+            # exception of a `run:` block passed through: a new one, raised here, passes
+            # through the job's own (SystemExit would hang Snakemake's job thread).
+            logger.error("job failed: %s", error)
+            raise JobFailed(str(error)) from None
         finally:
             for handler in handlers:
                 logger.removeHandler(handler)
