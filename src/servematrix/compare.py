@@ -2,7 +2,8 @@
 ``external``, which simulates the same cells too: ``servematrix.workflow.predicted_config``):
 figures with one line per backend for the same metric against the study's x, and a table of
 simulator / measured per metric and cell, with the share of cells inside the 0.77–1.3× band the
-README's fidelity figures use. (Where the step times came from: `servematrix.steptimes`.)
+manual's fidelity figures (docs/manual.md, "The simulator") use. (Where the step times came
+from: `servematrix.steptimes`.)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from servematrix.steptimes import report_page
 KEYS = ("model", "mode", "qps", "input_len")
 """What identifies a cell within a study (the other identity columns are the study's own)."""
 FIDELITY_BAND = (0.77, 1.3)
-"""Ratios inside this band count as close (the band of the README's fidelity figures)."""
+"""Ratios inside this band count as close (the band of the manual's fidelity figures)."""
 
 COMPARED_FIGURES: dict[str, list[Panel]] = {
     **{
