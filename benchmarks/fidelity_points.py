@@ -253,7 +253,7 @@ def format_goals(points: Sequence[Point]) -> list[str]:
     """Issue 19's goals against the validation set at seed 0, and where the values the missed
     ones lack are: the values outside the band per regime, source and GPU, how many of them are
     below and above it, and their ratios' median. Why each is off, where known, is
-    docs/engine-model.md's "Fidelity"."""
+    docs/calibration.md."""
     lines = [
         "== VALIDATION against issue 19's goals (seed 0)",
         _goal_line("all", points, GOAL_IN_BAND),

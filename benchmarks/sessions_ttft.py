@@ -4,7 +4,7 @@
 mean 2 s, all first turns at t = 0; Qwen2.5-7B bf16, recipe ``v1``, on A100s (``single``: one
 instance, ``nondisagg``: two behind the round-robin proxy), one seed. Each user's turns are one
 prefix chain, so with caching on a later turn finds its history cached. Prints the table the
-docs/manual.md's "Multi-turn sessions" section quotes (a few seconds)::
+docs/configuration.md's "Multi-turn sessions" section quotes (a few seconds)::
 
     .venv/bin/python benchmarks/sessions_ttft.py
 """

@@ -128,9 +128,9 @@ def test_the_schema_accepts_every_mode_and_no_other():
 
 
 def test_the_docs_define_every_mode():
-    """The manual's "Modes" has a row per mode: instances, proxy, chunked prefill per recipe,
-    KV; the README's short table names each mode too."""
-    readme = (ROOT / "docs" / "manual.md").read_text()
+    """docs/configuration.md's "Modes" has a row per mode: instances, proxy, chunked prefill
+    per recipe, KV; the README's short table names each mode too."""
+    readme = (ROOT / "docs" / "configuration.md").read_text()
     section = readme.split("\n### Modes\n", 1)[1].split("\n#", 1)[0]
     rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
     assert [row[0].strip("| `") for row in rows] == list(MODES)

@@ -2,7 +2,7 @@
 ``external``, which simulates the same cells too: ``servematrix.workflow.predicted_config``):
 figures with one line per backend for the same metric against the study's x, and a table of
 simulator / measured per metric and cell, with the share of cells inside the 0.77–1.3× band the
-manual's fidelity figures (docs/manual.md, "The simulator") use. (Where the step times came
+manual's fidelity figures (docs/simulator.md) use. (Where the step times came
 from: `servematrix.steptimes`.)
 """
 

@@ -59,7 +59,8 @@ MODES: dict[str, ModeSpec] = {
     "single-plain": ModeSpec("single-plain", 1, False, False),
     "single-chunked": ModeSpec("single-chunked", 1, False, True),
 }
-"""The modes, in their canonical order (aggregated first); docs/manual.md "Modes" defines each."""
+"""The modes, in their canonical order (aggregated first); docs/configuration.md "Modes"
+defines each."""
 
 V0_AUTO_CHUNKED_ABOVE = 32768
 """vLLM 0.6 turns chunked prefill on by itself above this ``max_model_len`` (``EngineArgs``)."""
