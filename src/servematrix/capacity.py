@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from servematrix.intervals import Interval, t_interval
 
 BLIND_FACTOR = 2.0
-"""A blind search doubles (or halves) the rate until the SLO's edge is bracketed."""
+"""A blind search doubles (or halves) the level until the SLO's edge is bracketed."""
 WARM_FACTOR = 1.1
 """A search from the simulator's capacity steps 10 % at a time around it."""
 MIN_LEVEL = 0.01
@@ -69,7 +69,7 @@ class Search:
 
     @property
     def breaks_first(self) -> tuple[str, ...]:
-        """The bounds broken at the lowest failing rate, furthest over its limit first."""
+        """The bounds broken at the lowest failing level, furthest over its limit first."""
         failing = next((p for p in self.probes if p.level == self.failing), None)
         return failing.broken if failing else ()
 

@@ -88,7 +88,7 @@ class Axis:
 
     def resize(self, cell: Cell, table: pa.Table, duration_s: float) -> Cell | None:
         """A longer probe when this one's arrivals spanned less than ``duration_s`` (None: it
-        was long enough). An open loop's are on a schedule, sized right from the start."""
+        was long enough). An open loop's arrivals are on a schedule, sized right from the start."""
         return None
 
     def ceiling(self, cell: Cell) -> float | None:
