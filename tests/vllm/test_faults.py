@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -24,10 +25,22 @@ from tests.vllm.conftest import (
 )
 from tests.workflow_helpers import cell_job, copy_workflow, start_snakemake
 
+PROGRESS = re.compile(r": \d+/\d+ done, \d+ failed, ")
+"""A measured cell's progress line (servematrix.progress), printed every few seconds."""
+
+
+def _cell_lines(output: str) -> list[str]:
+    """The cell's own lines on the terminal, its progress lines left out."""
+    return [
+        line
+        for line in output.splitlines()
+        if "servematrix: cell" in line and not PROGRESS.search(line)
+    ]
+
 
 def _error_line(output: str) -> str:
     """The cell's one line: what run_cell.py prints for a failed cell."""
-    lines = [line for line in output.splitlines() if "servematrix: cell" in line]
+    lines = _cell_lines(output)
     assert lines, output[-3000:]
     return lines[0]
 
@@ -128,7 +141,7 @@ def test_interrupted_in_the_middle_of_a_cell(vllm_cpu, tmp_path, how):
         print(f"\n{line}")
         assert "single exited with code -9 while serving" in line
     else:
-        lines = [line for line in output.splitlines() if "servematrix: cell" in line]
+        lines = _cell_lines(output)
         assert lines and "interrupted" in lines[0], output[-3000:]
         print(f"\n{how}: {lines[0]}")
     _assert_clean(workdir, cfg, cell, env[MARK])
