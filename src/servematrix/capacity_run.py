@@ -203,15 +203,9 @@ def capacity_in_unit(template: Cell, searches: Sequence[capacity.Search]) -> int
     repeats their mean and t interval; one search, its capacity and its bracket's upper end
     in the same unit (scaled from the failing level)."""
     axis = axis_of(template)
-    values = []
-    for s in searches:
-        at = s.at_capacity
-        if at is None:
-            values.append(0.0)
-            continue
-        table = trace.read(at.trace)
-        cell = Cell.from_dict(trace.metadata_of(table.schema, at.trace)["cell"])
-        values.append(axis.capacity(s.capacity, cell, table))
+    values = [
+        axis.capacity(s.capacity, s.at_capacity.trace) if s.at_capacity else 0.0 for s in searches
+    ]
     if len(searches) > 1:
         return intervals.t_interval(values)
     s, value = searches[0], values[0]

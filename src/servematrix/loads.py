@@ -27,7 +27,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from servematrix import sessions, steady
+from servematrix import sessions, steady, trace
 from servematrix.engine import ceiling
 from servematrix.engine.setup import cell_engine_setup
 from servematrix.matrix import PREDICTING_BACKEND, Cell, workload_token
@@ -101,9 +101,9 @@ class Axis:
             cell_engine_setup(cell), w.input_len, w.output_len, mode.instances, mode.disaggregated
         )
 
-    def capacity(self, level: float, cell: Cell, table: pa.Table) -> float:
-        """The capacity in ``unit`` when ``level`` is the highest that met the SLO (``cell``
-        and ``table``: the probe at it)."""
+    def capacity(self, level: float, trace_path: str) -> float:
+        """The capacity in ``unit`` when ``level`` is the highest that met the SLO
+        (``trace_path``: the probe at it)."""
         return level
 
 
@@ -184,8 +184,11 @@ class SessionsAxis(Axis):
         rate = ceiling.ceiling_rps(setup, mean_input, w.output_len, cell.mode.instances, False)
         return rate * MIN_SESSIONS / len(turns)
 
-    def capacity(self, level: float, cell: Cell, table: pa.Table) -> float:
-        """The time average of sessions in progress over the steady window (Little's law)."""
+    def capacity(self, level: float, trace_path: str) -> float:
+        """The time average of sessions in progress over the steady window (Little's law),
+        read from the probe's trace (its sessions are the probe cell's, not the template's)."""
+        table = trace.read(trace_path)
+        cell = Cell.from_dict(trace.metadata_of(table.schema, trace_path)["cell"])
         return concurrent_sessions(table, cell)
 
 
