@@ -149,7 +149,9 @@ def test_emulator_without_its_kv_route_falls_back_to_the_samples_and_says_why() 
         url = f"http://127.0.0.1:{server.server_address[1]}"
         process = Process("single", ("x",), {}, 0, Health(url + "/health"), (0,))
         deployment = Plan("emulator", "v1", "m", "single", (process,), url, "f")
-        with sampled(deployment, "emulator", "A100-SXM4-80GB", 0.8) as memory_use:
+        with sampled(
+            deployment, real_gpus=False, modelled_gpu="A100-SXM4-80GB", gpu_memory_utilization=0.8
+        ) as memory_use:
             pass
     finally:
         server.shutdown()

@@ -85,6 +85,16 @@ def predicted_config(cfg: Config) -> Config | None:
     return check_config({**cfg.raw, "backend": PREDICTING_BACKEND})
 
 
+def stop_deployments(cfg: Config) -> None:
+    """Stop every warm deployment of the run, on a backend that deploys (onsuccess, onerror,
+    and at the exit of a cluster job)."""
+    backend = backends.backend_of(cfg.backend)
+    if backend.DEPLOYS:
+        from servematrix.deploy import order
+
+        order.stop_deployments(cfg, machine_wide=backend.REAL_HARDWARE)
+
+
 def requested_report(argv: Sequence[str]) -> str | None:
     """The FILE of ``snakemake --report [FILE]`` without a run first (``--report-after-run``
     runs first), else None; FILE as Snakemake's argparse reads it (default report.html)."""

@@ -45,7 +45,7 @@ def _with_preemptions(
 @served.failing_as_cell_error
 def run(cell: Cell) -> BackendRun:
     return served.run_deployed(
-        cell, served.Deployed(layout=modelled_layout, annotate=_with_preemptions)
+        cell, served.Deployed(REAL_HARDWARE, layout=modelled_layout, annotate=_with_preemptions)
     )
 
 

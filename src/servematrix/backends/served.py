@@ -104,6 +104,8 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
 class Deployed:
     """Where the deployed backends differ around their deployment's run."""
 
+    real_hardware: bool
+    """The backend's ``REAL_HARDWARE``: its memory is measured, its locks are machine-wide."""
     check_hardware: Callable[[Cell, tuple[int, ...], str], None] | None = None
     """Before the deployment starts, with its GPUs (cores) and the node's kind."""
     layout: Callable[[Cell], dict[str, Any]] | None = None
@@ -127,7 +129,7 @@ def run_deployed(cell: Cell, deployed: Deployed) -> BackendRun:
     previous = {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS}
     try:
         plan = recipes.plan(cell)
-        settings, state_dir, logs = warm.settings_for(cell)
+        settings, state_dir, logs = warm.settings_for(cell, deployed.real_hardware)
         timeout_s = settings.lease_timeout_s
         kind = recipes.node_kind(cell)
         with gpulock.GpuLocks(plan.gpus, state_dir / "gpu-locks", timeout_s, cell.path, kind):
@@ -153,7 +155,7 @@ def run_deployed(cell: Cell, deployed: Deployed) -> BackendRun:
                 with (
                     lease.watched(),
                     memory.sampled(
-                        plan, cell.backend, gpu, util, layout, kind, groups
+                        plan, deployed.real_hardware, gpu, util, layout, kind, groups
                     ) as memory_use,
                 ):
                     records, client = measure(cell, lease.base_url)

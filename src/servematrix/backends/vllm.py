@@ -30,7 +30,7 @@ def _check_hardware(cell: Cell, gpus: tuple[int, ...], kind: str) -> None:
 
 @served.failing_as_cell_error
 def run(cell: Cell) -> BackendRun:
-    return served.run_deployed(cell, served.Deployed(check_hardware=_check_hardware))
+    return served.run_deployed(cell, served.Deployed(REAL_HARDWARE, check_hardware=_check_hardware))
 
 
 def identity(cell: Cell) -> dict[str, Any]:
