@@ -64,3 +64,9 @@ def test_every_registered_backend_passes_the_config_check(small_config):
         if name == "external":
             raw["base_url"] = "http://127.0.0.1:1/v1"
         assert check_config(raw).backend == name
+
+
+def test_a_backends_own_preflight_names_its_key(small_config):
+    """External starts nothing: the config must say where its server is."""
+    with pytest.raises(ConfigError, match=r"^config error at base_url: backend external needs"):
+        check_config({**small_config, "backend": "external"})

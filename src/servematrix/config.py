@@ -431,8 +431,6 @@ def load(raw: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) -> Config:
     models = {name: _model_spec(name, spec) for name, spec in data["models"].items()}
     studies = {name: _study(name, spec, data, models) for name, spec in data["studies"].items()}
     _check_shared_cells(studies)
-    if data["backend"] == "external" and not data.get("base_url"):
-        raise ConfigError("base_url", "backend external needs the server's base_url")
     check_input(data, studies)
     return Config(
         backend=data["backend"],

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from servematrix import backends, config, preflight
-from servematrix.deploy import command
 from servematrix.matrix import PREDICTING_BACKEND, Config, ConfigError
 from servematrix.terminal import for_terminal
 
@@ -27,8 +26,8 @@ def check_config(raw: Mapping[str, Any], schema_path: Path = config.SCHEMA_PATH)
     """Everything that must hold before any job: `servematrix check` and the workflow run this."""
     cfg = config.load(raw, schema_path)
     backends.check(cfg.backend)
+    backends.backend_of(cfg.backend).preflight(cfg)
     preflight.check(cfg)
-    command.check(dict(cfg.raw))
     return cfg
 
 

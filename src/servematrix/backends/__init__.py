@@ -14,7 +14,7 @@ from servematrix.matrix import ConfigError
 
 if TYPE_CHECKING:
     from servematrix.backends.run import BackendRun
-    from servematrix.matrix import Cell
+    from servematrix.matrix import Cell, Config
 
 
 @runtime_checkable
@@ -38,6 +38,11 @@ class Backend(Protocol):
     """The cell's serving flags are the server's (False: a server the user started)."""
     CONDA_ENV: str
     """The conda environment of its cell jobs (``envs/<name>.yaml``; ``{recipe}`` filled in)."""
+
+    def preflight(self, cfg: Config) -> None:
+        """Raise ConfigError, naming the key, for what this backend cannot start with (run by
+        ``workflow.check_config`` before any job, after the name is `check`-ed)."""
+        ...
 
     def run(self, cell: Cell) -> BackendRun:
         """Serve (or simulate) the cell's workload: the requests as seen, and the setup."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from servematrix.backends import served
 from servematrix.backends.run import BackendRun
-from servematrix.matrix import Cell
+from servematrix.matrix import Cell, Config
 from servematrix.trace import RequestRecord
 
 if TYPE_CHECKING:
@@ -43,6 +43,10 @@ def _with_preemptions(
 
 
 @served.failing_as_cell_error
+def preflight(cfg: Config) -> None:
+    """Nothing beyond the engine checks every backend of the engine model gets (`preflight`)."""
+
+
 def run(cell: Cell) -> BackendRun:
     return served.run_deployed(
         cell, served.Deployed(REAL_HARDWARE, layout=modelled_layout, annotate=_with_preemptions)

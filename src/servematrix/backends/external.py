@@ -7,7 +7,7 @@ from typing import Any
 from servematrix import prefixstats
 from servematrix.backends import served
 from servematrix.backends.run import BackendRun
-from servematrix.matrix import Cell
+from servematrix.matrix import Cell, Config, ConfigError
 
 NAME = "external"
 MEASURED = True
@@ -18,6 +18,11 @@ SETS_FLAGS = False
 CONDA_ENV = "servematrix"
 REFUSED_TIMEOUT_S = 30.0
 """The schema's default of ``deploy.refused_timeout_s``."""
+
+
+def preflight(cfg: Config) -> None:
+    if not cfg.raw.get("base_url"):
+        raise ConfigError("base_url", f"backend {NAME} needs the server's base_url")
 
 
 @served.failing_as_cell_error

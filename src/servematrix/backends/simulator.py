@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from servematrix.backends.run import BackendRun
-from servematrix.matrix import Cell
+from servematrix.matrix import Cell, Config
 
 NAME = "simulator"
 MEASURED = False
@@ -14,6 +14,10 @@ DEPLOYS = False
 REAL_HARDWARE = False
 SETS_FLAGS = True
 CONDA_ENV = "servematrix"
+
+
+def preflight(cfg: Config) -> None:
+    """Nothing beyond the engine checks every backend of the engine model gets (`preflight`)."""
 
 
 def run(cell: Cell) -> BackendRun:

@@ -6,7 +6,7 @@ from typing import Any
 
 from servematrix.backends import served
 from servematrix.backends.run import BackendRun
-from servematrix.matrix import Cell
+from servematrix.matrix import Cell, Config
 
 NAME = "vllm"
 MEASURED = True
@@ -16,6 +16,13 @@ REAL_HARDWARE = True
 SETS_FLAGS = True
 CONDA_ENV = "vllm-{recipe}"
 """The cell (load generator, proxy, etcd) runs next to the recipe's vLLM."""
+
+
+def preflight(cfg: Config) -> None:
+    """A ``deploy.server_command`` that cannot start is one config line, not a failed cell."""
+    from servematrix.deploy import command
+
+    command.check(dict(cfg.raw))
 
 
 def _check_hardware(cell: Cell, gpus: tuple[int, ...], kind: str) -> None:
