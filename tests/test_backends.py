@@ -70,3 +70,10 @@ def test_a_backends_own_preflight_names_its_key(small_config):
     """External starts nothing: the config must say where its server is."""
     with pytest.raises(ConfigError, match=r"^config error at base_url: backend external needs"):
         check_config({**small_config, "backend": "external"})
+
+
+def test_the_deployments_a_recipe_builds_are_the_backends_that_deploy():
+    """deploy/ sits below the backends: its own list of the two deployments must agree."""
+    from servematrix.deploy.recipes import DEPLOYED_BACKENDS
+
+    assert sorted(DEPLOYED_BACKENDS) == sorted(backends.names(DEPLOYS=True))

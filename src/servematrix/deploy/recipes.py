@@ -34,6 +34,9 @@ from typing import Any
 from servematrix.engine.hardware import DEFAULT_GPU
 from servematrix.matrix import Cell
 
+DEPLOYED_BACKENDS = ("vllm", "emulator")
+"""The deployments a recipe builds: vLLM's, and the same with the emulator in vLLM's place
+(the backends whose ``DEPLOYS`` is true; tests/test_backends.py holds the two together)."""
 EMULATOR_EXECUTABLE = ("servematrix-emulator", "serve")
 EMULATOR_KV_LINK_ENV = "SERVEMATRIX_EMULATOR_KV_LINK"
 PROXY_EXECUTABLE = ("python3", "-m", "servematrix.proxy")
@@ -554,7 +557,7 @@ def _proxy(cell: Cell, ports: Mapping[str, int], host: str) -> Process:
 def plan(cell: Cell, backend: str | None = None) -> Plan:
     """The deployment a cell needs on ``backend`` (default: the cell's own)."""
     backend = backend or cell.backend
-    if backend not in ("vllm", "emulator"):
+    if backend not in DEPLOYED_BACKENDS:
         raise ValueError(f"backend {backend!r} starts no deployment")
     recipe = RECIPES[cell.recipe]
     ports, deploy = _settings(cell)
