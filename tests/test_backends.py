@@ -12,6 +12,7 @@ from servematrix import backends
 from servematrix.backends import BACKENDS, Backend
 from servematrix.matrix import ConfigError
 from servematrix.workflow import check_config
+from tests.conftest import ROOT
 
 SHARED = {"run", "served"}
 """The package's modules that are not backends: what a run hands back, what servers share."""
@@ -77,3 +78,12 @@ def test_the_deployments_a_recipe_builds_are_the_backends_that_deploy():
     from servematrix.deploy.recipes import DEPLOYED_BACKENDS
 
     assert sorted(DEPLOYED_BACKENDS) == sorted(backends.names(DEPLOYS=True))
+
+
+def test_the_architecture_page_lists_every_module_of_the_package():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    block = page.split("\nbackends/ ", 1)[1].split("\ntrace ", 1)[0]
+    listed = {
+        line.split()[0] for line in block.splitlines() if line.startswith("  ") and line[2] != " "
+    }
+    assert listed == {m.name for m in pkgutil.iter_modules(backends.__path__)} | {"__init__"}
