@@ -34,10 +34,8 @@ from typing import Any
 from servematrix.engine.hardware import DEFAULT_GPU
 from servematrix.matrix import Cell
 
-EMULATED_BACKEND = "emulator"
-DEPLOYED_BACKENDS = ("vllm", EMULATED_BACKEND)
-"""The deployments a recipe builds: vLLM's, and the same with the emulator in vLLM's place
-(the backends whose ``DEPLOYS`` is true; tests/test_backends.py holds the two together)."""
+EMULATED_BACKEND = "emulator"  # vLLM's deployment with the emulator in vLLM's place
+DEPLOYED_BACKENDS = ("vllm", EMULATED_BACKEND)  # the registry's DEPLOYS (tests/test_backends.py)
 EMULATOR_EXECUTABLE = ("servematrix-emulator", "serve")
 EMULATOR_KV_LINK_ENV = "SERVEMATRIX_EMULATOR_KV_LINK"
 PROXY_EXECUTABLE = ("python3", "-m", "servematrix.proxy")
