@@ -30,9 +30,8 @@ import time
 from pathlib import Path
 
 from servematrix import capacity_run, config
-from servematrix.deploy.order import stop_deployments
 from servematrix.matrix import Config
-from servematrix.workflow import check_config
+from servematrix.workflow import check_config, stop_deployments
 
 
 def _settings(cfg: Config) -> dict:

@@ -18,7 +18,7 @@ rule simulate_capacity:
         slo=get_slo,
         settings=get_capacity_settings,
     wildcard_constraints:
-        backend=matrix.PREDICTING_BACKEND,
+        backend=SIMULATED_BACKENDS,
     # The search runs in a worker process (servematrix.workflow.worker_job, one per core): the
     # thread that waits for it takes no core from Snakemake's count, so the cells and charts
     # go on beside the searches.

@@ -5,23 +5,21 @@
 import atexit
 import json
 
+from servematrix.backends import backend_of, conda_env
 from servematrix.cell import run_cell
 from servematrix.deploy.order import (
     deployment_group,
     deployment_groups,
     deployment_priority,
     pinned_gpu_count,
-    stop_deployments,
 )
-from servematrix.matrix import PREDICTING_BACKEND, Cell
-from servematrix.workflow import stop_jobs_on_interrupt
+from servematrix.matrix import Cell
+from servematrix.workflow import stop_deployments, stop_jobs_on_interrupt
 
 
 def cell_conda_env(wildcards):
-    """Backend vllm runs the cell (load generator, proxy, etcd) next to the recipe's vLLM."""
-    if wildcards.backend == "vllm":
-        return f"../envs/vllm-{wildcards.recipe}.yaml"
-    return "../envs/servematrix.yaml"
+    """The backend's environment for its cells (vllm: next to the recipe's vLLM)."""
+    return f"../envs/{conda_env(wildcards.backend, wildcards.recipe)}.yaml"
 
 
 def cell_group(wildcards):
@@ -41,8 +39,9 @@ def cell_group(wildcards):
 
 
 def cell_gpus(wildcards):
-    """GPUs to request from the scheduler (SLURM --gpus): the deployment's pins, on vllm."""
-    if wildcards.backend != "vllm":
+    """GPUs to request from the scheduler (SLURM --gpus): the deployment's pins, on the
+    backends that run on the node's own GPUs."""
+    if not backend_of(wildcards.backend).REAL_HARDWARE:
         return 0
     return pinned_gpu_count(RUN_CONFIG, CELL_PATTERN.format(**dict(wildcards.items())))
 
@@ -63,7 +62,7 @@ rule simulate_cell:
         cell=get_cell,
         identity=get_cell_identity,
     wildcard_constraints:
-        backend=PREDICTING_BACKEND,
+        backend=SIMULATED_BACKENDS,
     group: cell_group
     run:
         with in_process_job(log[0]):

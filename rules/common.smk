@@ -5,8 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from servematrix import capacity_run, matrix
-from servematrix.cell import AVAILABLE_BACKENDS
+from servematrix import backends, capacity_run, matrix
 from servematrix.identity import cell_identity
 from servematrix.workflow import (
     fail_on_config_error,
@@ -40,7 +39,7 @@ def get_predicted_config():
 PREDICTED = get_predicted_config()
 # The cells whose step-time sources the report states: the run's own on the simulator, else
 # the twin's (the emulator runs the same engine, so the same sources).
-SIMULATED = RUN_CONFIG if RUN_CONFIG.backend == "simulator" else PREDICTED
+SIMULATED = PREDICTED if backends.backend_of(RUN_CONFIG.backend).MEASURED else RUN_CONFIG
 # The report's Jinja templates read `config`: give them the validated one, defaults filled.
 config.clear()
 config.update(RUN_CONFIG.raw)
@@ -52,10 +51,10 @@ COMPARED_FIGURES = ("ttft", "tpot", "itl", "throughput")  # servematrix.compare.
 CELL_PATTERN = "{recipe}/{model}/{mode}/{workload}"
 
 
-# A rule per kind of job where the kinds run differently (rules/cells.smk, capacity.smk).
-MEASURED_BACKENDS = matrix.wildcard_pattern(
-    [backend for backend in AVAILABLE_BACKENDS if backend != matrix.PREDICTING_BACKEND]
-)
+# A rule per kind of job where the kinds run differently (rules/cells.smk, capacity.smk):
+# virtual time in Snakemake's process, measured cells in their own.
+SIMULATED_BACKENDS = matrix.wildcard_pattern(backends.names(MEASURED=False))
+MEASURED_BACKENDS = matrix.wildcard_pattern(backends.names(MEASURED=True))
 
 
 wildcard_constraints:

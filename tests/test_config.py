@@ -16,6 +16,7 @@ from servematrix.matrix import (
     ConfigError,
     wildcard_pattern,
 )
+from servematrix.workflow import check_config
 from tests.conftest import ROOT
 
 
@@ -108,8 +109,10 @@ def _break(cfg, path, value):
     ],
 )
 def test_bad_config_names_the_key_path(small_config, path, value, key_path, words):
+    """The config check (`servematrix check`, the workflow); a backend's name is the
+    registry's to accept (servematrix.backends), not the schema's."""
     with pytest.raises(ConfigError) as caught:
-        config.load(_break(small_config, path, value))
+        check_config(_break(small_config, path, value))
     assert caught.value.key_path == key_path
     assert words in str(caught.value)
 

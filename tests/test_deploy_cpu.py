@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from servematrix import config
-from servematrix.deploy import command, gpulock, memory
+from servematrix.backends import emulator
+from servematrix.deploy import gpulock, memory
 from servematrix.deploy.recipes import cpu_bind, plan
 from servematrix.deploy.supervise import DeployError
 from servematrix.matrix import ConfigError
@@ -172,7 +173,7 @@ def test_a_bad_server_command_is_one_config_line_before_any_job(tmp_path):
     raw["deploy"]["server_command"] = [sys.executable, "-m", "no_such_package.api_server"]
     with pytest.raises(ConfigError, match="cannot import 'no_such_package'"):
         check_config(raw)
-    command.check({**raw, "backend": "emulator"})  # only backend vllm starts it
+    emulator.preflight(config.load({**raw, "backend": "emulator"}))  # only vllm starts it
 
 
 def test_check_cli_names_a_bad_server_command(tmp_path):

@@ -121,11 +121,15 @@ def test_memory_is_modelled_on_the_emulator_and_measured_or_explained_on_vllm(tm
     from servematrix.deploy import memory
 
     plan = _plan("mem", free_port(), (2, 3))
-    with memory.sampled(plan, "emulator", "A100-SXM4-80GB", 0.8) as modelled:
+    with memory.sampled(
+        plan, real_gpus=False, modelled_gpu="A100-SXM4-80GB", gpu_memory_utilization=0.8
+    ) as modelled:
         pass
     assert modelled["peak_gpu_memory_mib"] == pytest.approx(A100_MIB * 0.8, abs=0.1)
     assert set(modelled["gpus"]) == {"2", "3"}
-    with memory.sampled(plan, "vllm", "A100-SXM4-80GB", 0.8) as measured:
+    with memory.sampled(
+        plan, real_gpus=True, modelled_gpu="A100-SXM4-80GB", gpu_memory_utilization=0.8
+    ) as measured:
         time.sleep(0.6)
     assert measured["gpu_memory_source"] == "nvml"
     if "gpu_memory_error" in measured:  # no NVML on this host: why, and no invented number

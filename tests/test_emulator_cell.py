@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from servematrix import aggregate, trace
-from servematrix.cell import _modelled_layout, run_cell
+from servematrix.backends.emulator import modelled_layout
+from servematrix.cell import run_cell
 from servematrix.deploy import warm
 from servematrix.deploy.recipes import plan
 from servematrix.deploy.supervise import port_problem
@@ -106,7 +107,7 @@ def test_preemptions_per_request_and_the_exact_kv_peak_per_cell(tmp_path, monkey
     state = tmp_path / "state"
     heavy = _cell(_random(16, 1536, 128), state, serving=small_pool("v1"), warm_deployment=True)
     light = replace(heavy, workload=_random(4, 128, 4, max_concurrency=1))
-    pool_blocks = _modelled_layout(heavy)["kv_pool_blocks"]
+    pool_blocks = modelled_layout(heavy)["kv_pool_blocks"]
     assert pool_blocks == 814
     try:
         rows, metadata = _run(heavy, tmp_path / "heavy.parquet")

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from servematrix import cell
+from servematrix.backends import served
 from servematrix.workflow import requested_report
 
 
@@ -26,22 +26,22 @@ def test_a_sigterm_pending_behind_ctrl_c_prints_nothing(monkeypatch):
     ``OSError: Signal 15 ignored due to race condition`` (its handler had become SIG_IGN)."""
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
-    previous = {sig: signal.signal(sig, cell._on_stop_signal) for sig in cell.STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, served._on_stop_signal) for sig in served.STOP_SIGNALS}
     try:
         # Both pending on this thread at once (a process-directed signal could land on another
         # thread, a library's worker, and its handler run at once).
-        signal.pthread_sigmask(signal.SIG_BLOCK, cell.STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_BLOCK, served.STOP_SIGNALS)
         signal.pthread_kill(threading.get_ident(), signal.SIGINT)
         signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt, match="signal SIGINT"):
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, cell.STOP_SIGNALS)  # both arrive now
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, served.STOP_SIGNALS)  # both arrive now
             _run_pending_handlers()
         _run_pending_handlers()  # the pending SIGTERM's turn
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, cell.STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, served.STOP_SIGNALS)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        cell._stopped_by.clear()
+        served._stopped_by.clear()
     assert [str(hook.exc_value) for hook in unraisable] == []
 
 

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from servematrix.cell import _modelled_layout, _run_simulator
+from servematrix.backends import simulator
+from servematrix.backends.emulator import modelled_layout
 from servematrix.deploy.memory import sampled
 from servematrix.deploy.recipes import Health, Plan, Process, plan
 from servematrix.emulator import cli as emulator_cli
@@ -54,7 +55,7 @@ def test_pool_peak_is_the_most_blocks_ever_in_use() -> None:
 def test_peak_kv_usage_is_a_share_of_the_pool_and_grows_with_load() -> None:
     peaks = []
     for qps in (1.0, 8.0, 32.0):
-        memory_use = _run_simulator(cell(qps)).deployment["memory"]
+        memory_use = simulator.run(cell(qps)).deployment["memory"]
         usage = memory_use["peak_kv_cache_usage"]
         assert 0 < usage <= 1
         [blocks] = memory_use["peak_kv_blocks"]
@@ -66,14 +67,14 @@ def test_peak_kv_usage_is_a_share_of_the_pool_and_grows_with_load() -> None:
 def test_a_small_pool_is_filled_but_never_exceeded() -> None:
     """At a low gpu_memory_utilization the pool holds fewer than the 120 requests of 144
     blocks each: the load fills it completely (and preempts), and usage stops at 1."""
-    memory_use = _run_simulator(cell(64.0, util=0.2)).deployment["memory"]
+    memory_use = simulator.run(cell(64.0, util=0.2)).deployment["memory"]
     assert memory_use["kv_pool_blocks"] < 120 * 144
     assert memory_use["peak_kv_cache_usage"] == 1.0
 
 
 def test_simulator_reports_the_modelled_layout() -> None:
     c = cell(4.0)
-    memory_use = _run_simulator(c).deployment["memory"]
+    memory_use = simulator.run(c).deployment["memory"]
     kv = simulate(c).kv
     assert memory_use["gpu_memory_source"] == "modelled (A100-SXM4-80GB, gpu_memory_utilization)"
     assert memory_use["peak_gpu_memory_mib"] == pytest.approx(A100_MIB * 0.8, abs=0.1)
@@ -88,7 +89,7 @@ def test_simulator_reports_the_modelled_layout() -> None:
 
 @pytest.mark.parametrize("recipe", ["v0", "v1"])
 def test_disaggregated_peaks_per_instance(recipe: str) -> None:
-    memory_use = _run_simulator(cell(8.0, "mooncake-tcp", recipe)).deployment["memory"]
+    memory_use = simulator.run(cell(8.0, "mooncake-tcp", recipe)).deployment["memory"]
     prefill, decode = memory_use["peak_kv_blocks"]
     assert prefill > 0 and decode > 0
     assert memory_use["peak_kv_cache_usage"] == max(prefill, decode) / memory_use["kv_pool_blocks"]
@@ -101,7 +102,7 @@ def test_emulator_layout_is_the_one_its_servers_build(
     """The layout the cell records for the emulator is the engine every emulated server of the
     deployment builds from its own argv and environment."""
     c = dataclasses.replace(cell(4.0, mode, recipe), backend="emulator")
-    layout = _modelled_layout(c)
+    layout = modelled_layout(c)
     servers = [p for p in plan(c).processes if p.gpus]
     assert servers
     for process in servers:
@@ -148,7 +149,9 @@ def test_emulator_without_its_kv_route_falls_back_to_the_samples_and_says_why() 
         url = f"http://127.0.0.1:{server.server_address[1]}"
         process = Process("single", ("x",), {}, 0, Health(url + "/health"), (0,))
         deployment = Plan("emulator", "v1", "m", "single", (process,), url, "f")
-        with sampled(deployment, "emulator", "A100-SXM4-80GB", 0.8) as memory_use:
+        with sampled(
+            deployment, real_gpus=False, modelled_gpu="A100-SXM4-80GB", gpu_memory_utilization=0.8
+        ) as memory_use:
             pass
     finally:
         server.shutdown()

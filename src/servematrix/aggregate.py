@@ -16,6 +16,7 @@ import polars as pl
 import pyarrow as pa
 
 from servematrix import intervals, matrix, metrics, prefixstats, sessions, steady, trace
+from servematrix.backends import backend_of
 from servematrix.files import atomic_path
 
 SORT_KEYS = ("model", "mode", "input_len", "qps")
@@ -205,7 +206,7 @@ def table_summary_row(
 
 def chunked_prefill(cell_config: Any, backend: str) -> bool | None:
     """Whether the cell's servers chunked prefills (see `SERVING_COLUMNS`); None when unknown."""
-    if backend == "external" or not isinstance(cell_config, dict):
+    if not backend_of(backend).SETS_FLAGS or not isinstance(cell_config, dict):
         return None
     try:
         recipe, mode = cell_config["recipe"], cell_config["mode"]

@@ -29,10 +29,11 @@ import polars as pl
 import pyarrow as pa
 
 from servematrix import aggregate, capacity, intervals, steady, trace
+from servematrix.backends import backend_of
 from servematrix.cell import run_cell
 from servematrix.files import write_text
 from servematrix.loads import axis_of
-from servematrix.matrix import PREDICTING_BACKEND, Cell, Config
+from servematrix.matrix import Cell, Config
 from servematrix.slo import Slo
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ def min_duration_s(cell: Cell, settings: Mapping[str, Any]) -> float:
     configured = settings.get("min_duration_s")
     if configured is not None:
         return float(configured)
-    return SIMULATED_DURATION_S if cell.backend == PREDICTING_BACKEND else MEASURED_DURATION_S
+    return MEASURED_DURATION_S if backend_of(cell.backend).MEASURED else SIMULATED_DURATION_S
 
 
 def probe_at(template: Cell, level: float, slo: Slo, settings: Mapping[str, Any]) -> capacity.Probe:

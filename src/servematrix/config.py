@@ -422,15 +422,15 @@ def _check_shared_cells(studies: Mapping[str, Study]) -> None:
 
 
 def load(raw: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) -> Config:
-    """Validate a config mapping (as Snakemake loaded it) and expand its studies."""
+    """Validate a config mapping (as Snakemake loaded it) and expand its studies. The name of
+    its backend is the registry's to check (`servematrix.backends.check`, in
+    ``workflow.check_config``), which sits above this module."""
     if "slo_ms" in raw:
         raise ConfigError("slo_ms", replacement_for_slo_ms(raw["slo_ms"]))
     data = validate_schema(json.loads(json.dumps(raw)), schema_path)
     models = {name: _model_spec(name, spec) for name, spec in data["models"].items()}
     studies = {name: _study(name, spec, data, models) for name, spec in data["studies"].items()}
     _check_shared_cells(studies)
-    if data["backend"] == "external" and not data.get("base_url"):
-        raise ConfigError("base_url", "backend external needs the server's base_url")
     check_input(data, studies)
     return Config(
         backend=data["backend"],

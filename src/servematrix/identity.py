@@ -20,11 +20,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from servematrix.backends import backend_of
 from servematrix.matrix import Cell
-
-ENGINE_BACKENDS = ("simulator", "emulator")
-"""The backends whose timings come from the modelled engine (``engine:`` settings)."""
-DEPLOYED_BACKENDS = ("emulator", "vllm")
 
 
 @functools.lru_cache(maxsize=256)
@@ -57,7 +54,8 @@ def architecture_content(name: str) -> dict[str, Any]:
 
 
 def identity_document(cell: Cell) -> dict[str, Any]:
-    """Every input of the cell's result, per backend (see the module docstring)."""
+    """Every input of the cell's result, with what its backend adds (see the module
+    docstring)."""
     workload = asdict(cell.workload)
     if cell.workload.dataset_path is not None:
         workload["dataset_sha256"] = file_sha256(cell.workload.dataset_path)
@@ -66,26 +64,19 @@ def identity_document(cell: Cell) -> dict[str, Any]:
         "tensor_parallel": cell.model.tensor_parallel,
         "architecture": architecture_content(cell.model.architecture),
     }
-    if cell.backend != "simulator" or cell.workload.dataset != "random":
+    backend = backend_of(cell.backend)
+    if backend.MEASURED or cell.workload.dataset != "random":
         # What is served (and whose tokenizer counts text prompts); random token ids need none.
         model["hf_id"] = cell.model.hf_id
-    document: dict[str, Any] = {
+    return {
         "backend": cell.backend,
         "recipe": cell.recipe,
         "mode": asdict(cell.mode),
         "model": model,
         "workload": workload,
         "serving": asdict(cell.serving),
+        **backend.identity(cell),
     }
-    if cell.backend in ENGINE_BACKENDS:
-        document["engine"] = dict(cell.engine)
-    if cell.backend in DEPLOYED_BACKENDS:
-        from servematrix.deploy.recipes import plan
-
-        document["deployment"] = plan(cell).fingerprint
-    if cell.backend == "external":
-        document["base_url"] = cell.deploy.get("base_url")
-    return document
 
 
 def cell_identity(cell: Cell) -> str:

@@ -28,9 +28,10 @@ import polars as pl
 import pyarrow as pa
 
 from servematrix import sessions, steady, trace
+from servematrix.backends import backend_of
 from servematrix.engine import ceiling
 from servematrix.engine.setup import cell_engine_setup
-from servematrix.matrix import PREDICTING_BACKEND, Cell, workload_token
+from servematrix.matrix import Cell, workload_token
 from servematrix.slo import Slo
 
 MIN_PROBE_REQUESTS = 50
@@ -94,7 +95,7 @@ class Axis:
     def ceiling(self, cell: Cell) -> float | None:
         """The physical ceiling in level units (`servematrix.engine.ceiling`); None on a
         measured backend, whose hardware the simulator's tables need not describe."""
-        if cell.backend != PREDICTING_BACKEND:
+        if backend_of(cell.backend).MEASURED:
             return None
         w, mode = cell.workload, cell.mode
         return ceiling.ceiling_rps(
@@ -144,7 +145,7 @@ class UsersAxis(Axis):
     def ceiling(self, cell: Cell) -> float | None:
         """The most sequences the deployment's decoding instances run at once: users beyond
         it wait in the queue."""
-        if cell.backend != PREDICTING_BACKEND:
+        if backend_of(cell.backend).MEASURED:
             return None
         w, mode = cell.workload, cell.mode
         decoding = mode.instances - 1 if mode.disaggregated else mode.instances
@@ -173,7 +174,7 @@ class SessionsAxis(Axis):
     def ceiling(self, cell: Cell) -> float | None:
         """Sessions per second: the request-rate ceiling at the mean turn's prompt (its
         history and new tokens) over the mean turns of a session."""
-        if cell.backend != PREDICTING_BACKEND:
+        if backend_of(cell.backend).MEASURED:
             return None
         w = cell.workload
         turns = sessions.plan(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from servematrix.backends import backend_of
 from servematrix.engine.admission import kv_capacity_message
 from servematrix.engine.architecture import (
     ArchitectureError,
@@ -72,7 +73,7 @@ def _check_context(cfg: Config) -> None:
     context: dict[str, int | None] = {}
     for name, study in cfg.studies.items():
         for cell in study.cells:
-            if cell.backend == "external":
+            if not backend_of(cell.backend).SETS_FLAGS:
                 continue
             arch = cell.model.architecture
             if arch not in context:
@@ -93,7 +94,7 @@ def _check_plain_prefill(cfg: Config) -> None:
     for name, study in cfg.studies.items():
         for cell in study.cells:
             mode, max_model_len = cell.mode, cell.serving.max_model_len
-            if cell.backend == "external" or mode.chunked_prefill is not False:
+            if not backend_of(cell.backend).SETS_FLAGS or mode.chunked_prefill is not False:
                 continue
             if cell.recipe == "v0" and max_model_len > V0_AUTO_CHUNKED_ABOVE:
                 raise ConfigError(
@@ -132,7 +133,7 @@ def _plan(
         in_study = "max_num_batched_tokens" in cfg.raw["studies"][name].get("workload", {})
         where = f"studies.{name}.workload" if in_study else "defaults"
         raise ConfigError(f"{where}.max_num_batched_tokens", str(error)) from None
-    if cell.backend not in ("simulator", "emulator"):
+    if not backend_of(cell.backend).ENGINE_MODEL:
         return None
     try:
         plan = plan_engine(cell.model.architecture, flags)
@@ -175,7 +176,7 @@ def warn_step_time_fallbacks(cfg: Config) -> None:
     (the first use of a setup builds its measured table, then it is cached)."""
     seen: set[tuple[Any, ...]] = set()
     for cell in cfg.all_cells():
-        if cell.backend not in ("simulator", "emulator"):
+        if not backend_of(cell.backend).ENGINE_MODEL:
             continue
         m = cell.model
         gpu = gpu_spec(str(cell.engine.get("gpu", DEFAULT_GPU))).name

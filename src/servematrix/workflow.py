@@ -15,9 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from servematrix import config, preflight
-from servematrix.cell import check_backend
-from servematrix.deploy import command
+from servematrix import backends, config, preflight
 from servematrix.matrix import PREDICTING_BACKEND, Config, ConfigError
 from servematrix.terminal import for_terminal
 
@@ -27,9 +25,9 @@ DEFAULT_CONFIGFILE = "config/config.yaml"
 def check_config(raw: Mapping[str, Any], schema_path: Path = config.SCHEMA_PATH) -> Config:
     """Everything that must hold before any job: `servematrix check` and the workflow run this."""
     cfg = config.load(raw, schema_path)
+    backends.check(cfg.backend)
+    backends.backend_of(cfg.backend).preflight(cfg)
     preflight.check(cfg)
-    check_backend(cfg.backend)
-    command.check(dict(cfg.raw))
     return cfg
 
 
@@ -81,9 +79,19 @@ def predicted_config(cfg: Config) -> Config | None:
 
     Raises ConfigError when the engine cannot model the config (a model that does not fit the
     modelled GPU, which the vllm and external backends never check)."""
-    if cfg.backend == PREDICTING_BACKEND:
+    if not backends.backend_of(cfg.backend).MEASURED:
         return None
     return check_config({**cfg.raw, "backend": PREDICTING_BACKEND})
+
+
+def stop_deployments(cfg: Config) -> None:
+    """Stop every warm deployment of the run, on a backend that deploys (onsuccess, onerror,
+    and at the exit of a cluster job)."""
+    backend = backends.backend_of(cfg.backend)
+    if backend.DEPLOYS:
+        from servematrix.deploy import order
+
+        order.stop_deployments(cfg, machine_wide=backend.REAL_HARDWARE)
 
 
 def requested_report(argv: Sequence[str]) -> str | None:

@@ -8,7 +8,7 @@ import shlex
 from pathlib import Path
 
 from servematrix import config
-from servematrix.deploy.recipes import RECIPES, Plan, plan
+from servematrix.deploy.recipes import DEPLOYED_BACKENDS, RECIPES, Plan, plan
 from servematrix.matrix import MODES, Cell, Config, ConfigError
 
 
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if args.recipe is not None and args.recipe not in RECIPES:
         raise ConfigError("--recipe", f"unknown recipe {args.recipe!r} (known: v0, v1)")
     cell = find_cell(cfg, args.model, args.mode, args.recipe)
-    backend = args.backend or (cfg.backend if cfg.backend in ("vllm", "emulator") else "vllm")
+    backend = args.backend or (cfg.backend if cfg.backend in DEPLOYED_BACKENDS else "vllm")
     if not dataclasses.asdict(cell)["deploy"]:
         # A simulator config carries no deploy settings: show the defaults.
         raw = {**cfg.raw, "backend": backend}
@@ -101,7 +101,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     deploy.add_argument(
         "--configfile", type=Path, metavar="FILE", help="default: config/config.yaml"
     )
-    deploy.add_argument("--backend", choices=("vllm", "emulator"), help="default: vllm")
+    deploy.add_argument("--backend", choices=DEPLOYED_BACKENDS, help="default: vllm")
     deploy.add_argument(
         "--dry-run", action="store_true", required=True, help="print, do not start (required)"
     )

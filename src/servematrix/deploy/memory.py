@@ -267,7 +267,7 @@ def _emulator_peaks(bases: dict[str, str], result: dict[str, Any]) -> None:
 @contextmanager
 def sampled(
     plan: Plan,
-    backend: str,
+    real_gpus: bool,
     modelled_gpu: str,
     gpu_memory_utilization: float,
     layout: dict[str, Any] | None = None,
@@ -276,16 +276,20 @@ def sampled(
 ) -> Iterator[dict[str, Any]]:
     """Sample in a thread while the block runs; the yielded dict is filled in at the end.
 
+    ``real_gpus``: the servers are vLLM on the node's own GPUs (NVML) or cores (resident
+    memory); else they are emulators, whose GPU memory is the modelled GPU's and whose exact KV
+    peaks their own route reports.
+
     ``layout`` (emulator: :func:`modelled_layout` of the engine it runs) goes in as it is;
     ``groups`` (process name -> its process group, :func:`process_groups`) are the trees whose
     resident memory is sampled on a CPU node."""
     bases = instances(plan)
     result: dict[str, Any] = {"sample_s": SAMPLE_S, **(layout or {})}
-    cpu = backend == "vllm" and node_kind == "cpu"
+    cpu = real_gpus and node_kind == "cpu"
     nvml = None
     if cpu:
         result["gpu_memory_source"] = "none (cpu node: resident memory per instance)"
-    elif backend == "vllm":
+    elif real_gpus:
         result["gpu_memory_source"] = "nvml"
         try:
             nvml = _Nvml(plan.gpus)
@@ -293,7 +297,7 @@ def sampled(
             result["gpu_memory_error"] = f"{type(error).__name__}: {error}"
     else:
         result["gpu_memory_source"] = f"modelled ({modelled_gpu}, gpu_memory_utilization)"
-    exact = backend == "emulator"
+    exact = not real_gpus
     try:
         if exact:
             for base in bases.values():
@@ -314,7 +318,7 @@ def sampled(
             name: {k: after[name][k] - counted[name][k] for k in after[name] if k in counted[name]}
             for name in bases
         }
-        _fill(result, sampler, backend, cpu, modelled_gpu, gpu_memory_utilization)
+        _fill(result, sampler, real_gpus, cpu, modelled_gpu, gpu_memory_utilization)
         if exact:
             _emulator_peaks(bases, result)
 
@@ -322,13 +326,13 @@ def sampled(
 def _fill(
     result: dict[str, Any],
     sampler: _Sampler,
-    backend: str,
+    real_gpus: bool,
     cpu: bool,
     modelled_gpu: str,
     gpu_memory_utilization: float,
 ) -> None:
     gpu_samples = sampler.gpus
-    if backend != "vllm":
+    if not real_gpus:
         modelled = round(modelled_gpu_mib(modelled_gpu, gpu_memory_utilization), 1)
         gpu_samples = {gpu: [[0.0, modelled]] for gpu in gpu_samples}
     if not cpu:

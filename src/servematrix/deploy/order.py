@@ -50,16 +50,15 @@ def pinned_gpu_count(cfg: Config, cell_path_tail: str) -> int:
     return len({g for gpus in cell.instance_gpus for g in gpus}) if cell is not None else 0
 
 
-def stop_deployments(cfg: Config) -> None:
-    """Stop every warm deployment of this workflow's backend (onsuccess / onerror)."""
-    if cfg.backend not in ("vllm", "emulator"):
-        return
+def stop_deployments(cfg: Config, machine_wide: bool) -> None:
+    """Stop every warm deployment of this workflow's backend, one that deploys (see
+    `servematrix.workflow.stop_deployments`; ``machine_wide``: `warm.settings_for`)."""
     from servematrix.deploy import warm
 
     cells = cfg.all_cells()
     if not cells:
         return
-    settings, state_dir, _ = warm.settings_for(cells[0])
+    settings, state_dir, _ = warm.settings_for(cells[0], machine_wide)
     if Path(state_dir).is_dir():
         for fingerprint in warm.stop_all(state_dir, settings.stop_timeout_s):
             print(f"servematrix: stopped deployment {fingerprint}")

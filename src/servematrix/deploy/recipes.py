@@ -34,6 +34,8 @@ from typing import Any
 from servematrix.engine.hardware import DEFAULT_GPU
 from servematrix.matrix import Cell
 
+EMULATED_BACKEND = "emulator"  # vLLM's deployment with the emulator in vLLM's place
+DEPLOYED_BACKENDS = ("vllm", EMULATED_BACKEND)  # the registry's DEPLOYS (tests/test_backends.py)
 EMULATOR_EXECUTABLE = ("servematrix-emulator", "serve")
 EMULATOR_KV_LINK_ENV = "SERVEMATRIX_EMULATOR_KV_LINK"
 PROXY_EXECUTABLE = ("python3", "-m", "servematrix.proxy")
@@ -400,11 +402,11 @@ def _ranges(cores: list[int]) -> str:
 
 
 def _server_argv(
-    recipe: Recipe, cell: Cell, backend: str, port: int, role: str | None, host: str
+    recipe: Recipe, cell: Cell, emulated: bool, port: int, role: str | None, host: str
 ) -> list[str]:
     command = server_command(recipe, cell)
     # The emulator takes the model where the recipe's own executable does.
-    conditions = _conditions(cell, command if backend == "vllm" else recipe.executable)
+    conditions = _conditions(cell, recipe.executable if emulated else command)
     values: dict[str, Any] = {
         "model": cell.model.hf_id,
         "port": port,
@@ -418,7 +420,7 @@ def _server_argv(
     if role is not None:
         config = _fill(recipe.kv_transfer_config[role], values)
         values["kv_transfer_config"] = _kv_json(config, values["kv_buffer_size"])
-    argv = list(EMULATOR_EXECUTABLE if backend == "emulator" else command)
+    argv = list(EMULATOR_EXECUTABLE if emulated else command)
     for segment in recipe.args:
         if segment.when is None or conditions[segment.when]:
             argv += [token.format(**values) for token in segment.tokens]
@@ -432,7 +434,7 @@ def _server_argv(
         argv += ["--kv-offloading-size", size, "--kv-offloading-backend", "native"]
     if cell.serving.enforce_eager:
         argv.append("--enforce-eager")
-    if backend == "emulator":
+    if emulated:
         argv += emulator_flags(cell)
     return argv
 
@@ -496,7 +498,7 @@ def _etcd(host: str, port: int) -> Process:
 
 def _server(
     cell: Cell,
-    backend: str,
+    emulated: bool,
     name: str,
     port: int,
     pins: tuple[int, ...],
@@ -518,7 +520,7 @@ def _server(
         if recipe.etcd:
             base = ports["mooncake"] + (0 if role == "kv_producer" else MOONCAKE_DECODE_OFFSET)
             extra += _mooncake_ports(base, tp)
-    if backend == "emulator" and role is not None and cell.engine.get("kv_link"):
+    if emulated and role is not None and cell.engine.get("kv_link"):
         # engine.kv_link overrides of the modelled KV link (emulator only; vLLM has a wire)
         env[EMULATOR_KV_LINK_ENV] = json.dumps(dict(cell.engine["kv_link"]), sort_keys=True)
     if cell.serving.prefix_caching and recipe.prefix_cache_reset_env:
@@ -530,7 +532,7 @@ def _server(
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in pins)
     host = deploy["host"]
-    argv = _server_argv(recipe, cell, backend, port, role, host)
+    argv = _server_argv(recipe, cell, emulated, port, role, host)
     return Process(name, tuple(argv), env, port, Health(_url(host, port) + "/health"), pins, extra)
 
 
@@ -554,8 +556,9 @@ def _proxy(cell: Cell, ports: Mapping[str, int], host: str) -> Process:
 def plan(cell: Cell, backend: str | None = None) -> Plan:
     """The deployment a cell needs on ``backend`` (default: the cell's own)."""
     backend = backend or cell.backend
-    if backend not in ("vllm", "emulator"):
+    if backend not in DEPLOYED_BACKENDS:
         raise ValueError(f"backend {backend!r} starts no deployment")
+    emulated = backend == EMULATED_BACKEND
     recipe = RECIPES[cell.recipe]
     ports, deploy = _settings(cell)
     host = deploy["host"]
@@ -564,15 +567,15 @@ def plan(cell: Cell, backend: str | None = None) -> Plan:
     files: dict[str, str] = {}
     processes: list[Process] = []
     if mode.instances == 1:
-        processes.append(_server(cell, backend, "single", ports["single"], pins[0], None))
+        processes.append(_server(cell, emulated, "single", ports["single"], pins[0], None))
         entry = ports["single"]
     else:
         if mode.disaggregated and recipe.etcd:
             processes.append(_etcd(host, ports["etcd"]))
             files["mooncake.json"] = mooncake_json(cell, ports, deploy)
         roles = ("kv_producer", "kv_consumer") if mode.disaggregated else (None, None)
-        processes.append(_server(cell, backend, "prefill", ports["prefill"], pins[0], roles[0]))
-        processes.append(_server(cell, backend, "decode", ports["decode"], pins[1], roles[1]))
+        processes.append(_server(cell, emulated, "prefill", ports["prefill"], pins[0], roles[0]))
+        processes.append(_server(cell, emulated, "decode", ports["decode"], pins[1], roles[1]))
         processes.append(_proxy(cell, ports, host))
         entry = ports["proxy"]
     fingerprint = _fingerprint(backend, recipe.name, processes, files)

@@ -68,9 +68,10 @@ class Settings:
     warm: bool
 
 
-def settings_for(cell: Cell) -> tuple[Settings, Path, Path]:
+def settings_for(cell: Cell, machine_wide: bool = False) -> tuple[Settings, Path, Path]:
     """A cell's deploy settings, its state directory (GPU locks, registered deployments) and
-    the log directory of its deployment."""
+    the log directory of its deployment. ``machine_wide``: the deployment runs on the node's
+    own GPUs, whose locks every workflow on the host shares."""
     deploy = {**DEFAULT_DEPLOY, **dict(cell.deploy)}
     settings = Settings(
         host=deploy["host"],
@@ -82,7 +83,7 @@ def settings_for(cell: Cell) -> tuple[Settings, Path, Path]:
     )
     if deploy["state_dir"]:
         state_dir = Path(deploy["state_dir"])
-    elif cell.backend == "vllm":
+    elif machine_wide:
         # Real GPUs are a machine-wide resource: every workflow on the host shares the locks.
         state_dir = Path(tempfile.gettempdir()) / f"servematrix-{os.getuid()}"
     else:

@@ -22,6 +22,7 @@ import polars as pl
 
 from servematrix import steptimes, trace
 from servematrix.aggregate import check_one_row_per_point
+from servematrix.backends import backend_of
 from servematrix.files import write_text
 from servematrix.findings.common import (
     MEAN_TPOT,
@@ -51,14 +52,12 @@ from servematrix.findings.health import (
 from servematrix.findings.recommend import (
     Context,
     capacity_section,
-    caveat,
     no_slo_section,
     recommendation_section,
     study_question,
 )
 from servematrix.findings.render import recommendation_json, to_html, to_markdown
 from servematrix.findings.reuse import reuse_section
-from servematrix.matrix import PREDICTING_BACKEND
 
 __all__ = [
     "Context",
@@ -165,15 +164,14 @@ def write_findings(
     summary = pl.read_parquet(summary_path)
     capacity = pl.read_parquet(capacity_paths[0]) if capacity_paths else None
     step_times = []
-    if study["backend"] == PREDICTING_BACKEND and not summary.is_empty():
+    backend = backend_of(study["backend"])
+    if not backend.MEASURED and not summary.is_empty():
         try:
             cells = [steptimes.cell_step_times(path) for path in summary["trace"]]
             step_times = steptimes.step_time_sentences(steptimes.group_setups(cells))
         except trace.TraceError:  # a trace from before step-time sources were recorded
             step_times = []
-    context = Context(
-        study["slo"], caveat(study["backend"], study["gpu"], step_times), study.get("question")
-    )
+    context = Context(study["slo"], backend.caveat(study["gpu"], step_times), study.get("question"))
     findings = study_findings(summary, study["title"], study["x"], capacity, context)
     write_text(outputs["md"], to_markdown(findings))
     write_text(outputs["html"], to_html(findings))

@@ -425,20 +425,3 @@ def no_slo_section() -> Section:
             f"Add the targets to the config and run again, e.g. {SLO_EXAMPLE}",
         ],
     )
-
-
-def caveat(backend: str, gpu: str, step_times: list[str]) -> str:
-    """How far to trust the numbers: simulated or measured, and where the step times came
-    from (measured operator tables, or the roofline's extrapolation: ``step_times``)."""
-    if backend == "simulator":
-        sources = f" {step_times[0]}" if step_times else ""
-        return (
-            f"Caveat: simulated, not measured — servematrix's engine model of {gpu} in virtual "
-            f"time.{sources} Confirm the winner with a few measured probes around its capacity."
-        )
-    if backend == "emulator":
-        return (
-            f"Caveat: real processes and HTTP around the simulated engine ({gpu}): the serving "
-            "path is measured, the GPU is still the model's."
-        )
-    return f"Caveat: measured on the {backend} backend (one machine, one run per seed)."
