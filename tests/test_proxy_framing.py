@@ -168,11 +168,10 @@ def test_a_chunked_response_is_relayed_whole_across_any_split(
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     )
     framed = b"".join(b"%x;e=1\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\nT: t\r\n\r\n"
-    reader = ResponseReader(head_only=False, keep_payload=True)
+    reader = ResponseReader(head_only=False, keep_payload=False)
     relayed = b"".join(reader.feed(piece) for piece in cut(head + framed + b"HTTP/1.1", cuts))
     assert reader.done and reader.chunked and reader.extra
     assert reader.status == 200 and reader.lines[0] == b"Content-Type: text/event-stream"
-    assert bytes(reader.payload) == b"".join(chunks)
     again = ResponseReader(head_only=False, keep_payload=True)
     again.feed(head + relayed)
     assert again.done and not again.extra and bytes(again.payload) == b"".join(chunks)
@@ -182,7 +181,7 @@ def test_a_head_answer_ends_at_its_head() -> None:
     reader = ResponseReader(head_only=True, keep_payload=False)
     assert reader.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 42\r\n\r\n") == b""
     assert reader.done and not reader.extra and reader.keep_alive
-    interim = ResponseReader(head_only=False, keep_payload=True)
+    interim = ResponseReader(head_only=False, keep_payload=False)
     interim.feed(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\n")
     assert interim.status == 201 and not interim.done
     assert interim.feed(b"{}") == b"{}" and interim.done

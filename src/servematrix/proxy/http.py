@@ -201,7 +201,8 @@ class ResponseReader:
     """One upstream response, parsed by llhttp: its head, then its body as the client gets it,
     from :meth:`feed`: a chunked body's payload chunked again as it arrives (one chunk per
     piece, so the client never holds half a chunk; chunk extensions and trailers are dropped),
-    any other body as it came. ``head_only``: the answer to a HEAD, a head alone."""
+    any other body as it came; or, with ``keep_payload``, its payload gathered in ``payload``
+    instead. ``head_only``: the answer to a HEAD, a head alone."""
 
     def __init__(self, head_only: bool, keep_payload: bool):
         self._parser = httptools.HttpResponseParser(self)
@@ -218,7 +219,7 @@ class ResponseReader:
         self.keep_alive = True
         self.extra = False  # bytes came after the response's end: the connection is out of step
         self.error: ValueError | None = None  # the response is malformed
-        self.payload = bytearray()  # with ``keep_payload``
+        self.payload = bytearray()  # with ``keep_payload``, instead of relayed bytes
         self._reason = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._out: list[bytes] = []
@@ -288,16 +289,16 @@ class ResponseReader:
     def on_body(self, data: bytes) -> None:
         if self.done:  # bytes after a HEAD's answer
             self.extra = True
-            return
-        if self.keep_payload:
+        elif self.keep_payload:
             self.payload += data
-        self._last2 = data[-2:] if len(data) > 1 else (self._last2 + data)[-2:]
-        self._out.append(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
+        else:
+            self._last2 = data[-2:] if len(data) > 1 else (self._last2 + data)[-2:]
+            self._out.append(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
 
     def on_message_complete(self) -> None:
         if self.head_done and not self.done:
             self.done = True
-            if self.chunked:
+            if self.chunked and not self.keep_payload:
                 self._out.append(b"0\r\n\r\n")
 
 
