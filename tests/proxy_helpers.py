@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -135,3 +135,26 @@ def received(url: str) -> list[dict[str, Any]]:
     status, body = get(url + "/requests")
     assert status == 200
     return json.loads(body)
+
+
+def raw_exchange(url: str, data: bytes, done: Callable[[bytes], bool] | None = None) -> bytes:
+    """Send ``data`` on one connection; read until ``done(what came)`` (by default: one
+    response with a ``Content-Length`` body, complete) or the connection's end."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(data)
+        got = b""
+        while not (done or _one_response)(got):
+            more = sock.recv(65536)
+            if not more:
+                break
+            got += more
+        return got
+
+
+def _one_response(got: bytes) -> bool:
+    head, _, body = got.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":")[1])
+    return False

@@ -44,23 +44,32 @@ the JSON body names each upstream's state.
 
 **The relay.** A proxy must add well under a millisecond, and an aiohttp server plus client cost
 ~0.8 ms of CPU per request on a small machine (``benchmarks/proxy_overhead.py``). So the proxies
-speak HTTP/1.1 themselves, on asyncio protocols (uvloop's event loop when installed): a request's
-head and its ``Content-Length`` (or chunked) body are read, the request goes out in one write on a
-pooled keep-alive upstream connection (no connection limit, 30 s to connect, no total timeout,
-``TCP_NODELAY`` on every socket), and the upstream's response bytes are written to the client
-from the upstream connection's receive callback as they arrive, its framing (chunked or
-``Content-Length``) and encoding untouched; only ``Connection``/``Keep-Alive`` headers are
-hop-by-hop. The response head waits for the first body bytes so both leave in one write. If
-an upstream dies in the middle of a streamed (SSE) response, the client gets one
+relay HTTP/1.1 on asyncio protocols (uvloop's event loop when installed), with llhttp (through
+``httptools``, the parser uvicorn runs on) reading every message's head and finding its body's
+end: a request's head and its ``Content-Length`` (or chunked) body are read, the request goes
+out in one write on a pooled keep-alive upstream connection (no connection limit, 30 s to
+connect, no total timeout, ``TCP_NODELAY`` on every socket), and the upstream's response body is
+written to the client from the upstream connection's receive callback as it arrives: a
+``Content-Length`` body (or one that ends with the connection) as it came, a chunked one chunked
+again, one chunk per piece received (so the client never holds half a chunk; chunk extensions
+and trailers are dropped), its content coding untouched; only ``Connection``/``Keep-Alive``
+headers are hop-by-hop. The response head waits for the first body bytes so both leave in one
+write. If an upstream dies in the middle of a streamed (SSE) response, the client gets one
 ``data: {"error": ...}`` event naming the upstream, then ``data: [DONE]`` (vLLM's own shape for
 errors after the 200 header); mid-way through any other body, the connection is cut. A client
 that goes away closes the upstream connection, so the server aborts the request as it would
 without the proxy. An HTTP/1.0 client's request goes upstream as HTTP/1.0 on a connection of its
-own (no chunked answer can reach it). A request whose body's end is ambiguous (two different
-``Content-Length`` values, RFC 9112 §6.3) is answered 400 and its connection closed. SIGTERM or
-SIGINT closes the listener and every connection, and the process exits 0.
+own (no chunked answer can reach it). A request llhttp refuses, whose end would be ambiguous
+(RFC 9112 §6.3: a repeated ``Content-Length``, even with equal values, one beside
+``Transfer-Encoding``, a bad chunk size) or that is otherwise malformed (bare LF line ends, a
+space before a colon, folded header lines, an HTTP version but 1.0 and 1.1, a transfer coding
+but chunked), is answered 400, a head still unfinished after 64 KiB 431, and a body over 1 GiB
+413; each is logged (``refused a request from ...``) and its connection closed after the requests
+before it are answered. There is no read timeout: a client that stalls mid-request holds only its
+own connection. SIGTERM or SIGINT closes the listener and every connection, and the process
+exits 0.
 
-The modules: ``http`` (messages and framing), ``upstream`` (the pooled upstream connections),
+The modules: ``http`` (messages, read by llhttp), ``upstream`` (the pooled upstream connections),
 ``relay`` (client connections and what every policy shares), one module per policy
 (``roundrobin``, ``disagg_v0``, ``disagg_v1``) and ``cli``.
 """

@@ -1,4 +1,6 @@
-"""HTTP/1.1 messages as the relay reads them (RFC 9112): heads, body framing, client requests."""
+"""HTTP/1.1 messages as the relay reads them: llhttp (through ``httptools``, the parser uvicorn
+runs on) finds the heads and the bodies' framing (RFC 9112) of client requests and upstream
+responses; this module keeps what the relay needs of them."""
 
 from __future__ import annotations
 
@@ -6,7 +8,10 @@ import asyncio
 import json
 import logging
 import socket
+from collections import deque
 from typing import Any
+
+import httptools
 
 log = logging.getLogger("servematrix.proxy")
 
@@ -20,7 +25,6 @@ HEALTH_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 30.0
 MAX_HEAD_BYTES = 1 << 16
 MAX_BODY_BYTES = 1 << 30
-MAX_LINE_BYTES = 4096
 
 
 class UpstreamError(Exception):
@@ -29,6 +33,10 @@ class UpstreamError(Exception):
     def __init__(self, message: str, status: int = 502):
         super().__init__(message)
         self.status = status
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop the parser; the reason is kept beside it."""
 
 
 def error_body(message: str, status: int) -> bytes:
@@ -47,118 +55,33 @@ def set_nodelay(transport: asyncio.BaseTransport) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def parse_head(head: bytes) -> tuple[list[bytes], list[bytes], dict[bytes, bytes]]:
-    """A message head (without its blank line) as its start line's three parts, its header
-    lines as received, and their values by lower-case name (the last of repeated ones). Raises
-    ``ValueError``, also for ``Content-Length`` fields that disagree: the body's end would be
-    ambiguous, an unrecoverable framing error (RFC 9112 §6.3; equal ones are one value)."""
-    start, *lines = head.split(b"\r\n")
-    parts = start.split(b" ", 2)
-    if len(parts) != 3:
-        raise ValueError(f"bad start line {start[:100]!r}")
-    fields = {}
-    for line in lines:
-        name, colon, value = line.partition(b":")
-        # No space before the colon, no obsolete line folding: both are smuggling vectors.
-        if not colon or not name or name[:1] in b" \t" or name[-1:] in b" \t":
-            raise ValueError(f"bad header line {line[:100]!r}")
-        name, value = name.lower(), value.strip()
-        if name == b"content-length" and fields.get(name, value) != value:
-            raise ValueError(f"conflicting Content-Length {fields[name][:40]!r} and {value[:40]!r}")
-        fields[name] = value
-    return parts, lines, fields
+def header_lines(headers: list[tuple[bytes, bytes]], drop: frozenset[bytes]) -> list[bytes]:
+    """``Name: value`` lines of the headers whose lower-case names are not in ``drop``."""
+    return [name + b": " + value for name, value in headers if name.lower() not in drop]
 
 
-class BodyFraming:
-    """Where an HTTP/1.1 message body ends (RFC 9112 §6): after ``length`` bytes, after the last
-    chunk of a chunked body, or (``length`` None, not chunked) when the connection closes. Fed
-    the bytes after the head as they arrive; with ``keep`` it also gathers the payload."""
-
-    def __init__(self, length: int | None, chunked: bool, keep: bool):
-        self.chunked = chunked
-        self.remaining = None if chunked else length
-        self.done = not chunked and length == 0
-        self.keep = keep
-        self.payload = bytearray()
-        self._data = 0  # payload bytes left in the current chunk
-        self._crlf = 0  # bytes left of the CRLF after it
-        self._line = b""  # a chunk-size or trailer line so far
-        self._trailers = False
-        self._last2 = b"\n\n"  # the payload's last two bytes; the start counts as an event end
-
-    def feed(self, data: bytes) -> int:
-        """How many bytes of ``data`` belong to the body (all but what follows its end).
-        Raises ``ValueError`` on a malformed chunked body."""
-        if not self.chunked:
-            used = len(data) if self.remaining is None else min(self.remaining, len(data))
-            if self.remaining is not None:
-                self.remaining -= used
-                self.done = self.remaining == 0
-            if self.keep:
-                self.payload += data[:used]
-            return used
-        i, n = 0, len(data)
-        while i < n and not self.done:
-            if self._data:
-                take = min(self._data, n - i)
-                piece = data[i : i + take]
-                self._last2 = piece[-2:] if take >= 2 else (self._last2 + piece)[-2:]
-                if self.keep:
-                    self.payload += piece
-                self._data -= take
-                self._crlf = 0 if self._data else 2
-                i += take
-            elif self._crlf:
-                take = min(self._crlf, n - i)
-                self._crlf -= take
-                i += take
-            else:
-                j = data.find(b"\n", i)
-                if j < 0:
-                    self._line += data[i:]
-                    if len(self._line) > MAX_LINE_BYTES:
-                        raise ValueError("chunk-size line too long")
-                    return n
-                line = (self._line + data[i:j]).rstrip(b"\r")
-                self._line = b""
-                i = j + 1
-                if self._trailers:
-                    self.done = not line
-                    continue
-                size = line.split(b";", 1)[0].strip()
-                if not size or size.strip(b"0123456789abcdefABCDEF"):
-                    raise ValueError(f"bad chunk size {line[:40]!r}")
-                self._data = int(size, 16)
-                self._trailers = self._data == 0
-        return i
-
-    @property
-    def at_event_end(self) -> bool:
-        """Between chunks, and the payload so far ends an SSE event (or is empty)."""
-        between = not (self._data or self._crlf or self._line or self._trailers)
-        return between and self._last2 == b"\n\n"
+def by_name(headers: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """Header values by lower-case name (the last of repeated ones)."""
+    return {name.lower(): value for name, value in headers}
 
 
 class ClientRequest:
     """A client's request: start line, the header lines to forward, header values by lower-case
-    name (the last of repeated ones), and the body."""
+    name (the last of repeated ones), and the body. Raises ``ValueError`` for what the relay
+    does not forward: HTTP versions other than 1.0 and 1.1, transfer codings but chunked."""
 
-    def __init__(self, head: bytes):
-        (self.method, self.target, self.version), lines, self.fields = parse_head(head)
-        if self.version not in (b"HTTP/1.1", b"HTTP/1.0"):
-            raise ValueError(f"unsupported version {self.version[:20]!r}")
-        self.forward = [
-            line for line in lines if line.partition(b":")[0].lower() not in REQUEST_DROP
-        ]
+    def __init__(
+        self, method: bytes, target: bytes, version: str, headers: list[tuple[bytes, bytes]]
+    ):
+        if version not in ("1.1", "1.0"):
+            raise ValueError(f"unsupported version HTTP/{version}")
+        self.method, self.target, self.version = method, target, b"HTTP/" + version.encode()
+        self.fields = by_name(headers)
+        self.forward = header_lines(headers, REQUEST_DROP)
         self.body = b""
         coding = self.fields.get(b"transfer-encoding")
-        length = self.fields.get(b"content-length")
-        self.chunked = coding is not None
-        if coding is not None and (coding.lower() != b"chunked" or length is not None):
+        if coding is not None and coding.lower() != b"chunked":
             raise ValueError("only a chunked or a Content-Length body")
-        if length is not None and not length.isdigit():
-            raise ValueError(f"bad Content-Length {length[:40]!r}")
-        self.length = int(length or 0)
 
     @property
     def path(self) -> bytes:
@@ -173,9 +96,210 @@ class ClientRequest:
         connection = self.fields.get(b"connection", b"").lower()
         return b"close" not in connection and not self.http10
 
+    @property
+    def expects_continue(self) -> bool:
+        return self.fields.get(b"expect", b"").lower() == b"100-continue"
+
     def header(self, name: bytes) -> str | None:
         value = self.fields.get(name)
         return None if value is None else value.decode("latin-1")
+
+
+class RequestReader:
+    """A client connection's requests, parsed by llhttp as their bytes arrive. Complete ones
+    wait in ``ready``; a malformed one sets ``refusal`` (status, reason), and nothing after it
+    is read: its end is unknown (RFC 9112 §6.3; llhttp refuses, among others, two
+    ``Content-Length`` fields, one beside ``Transfer-Encoding``, bad chunk sizes)."""
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpRequestParser(self)
+        self.ready: deque[ClientRequest] = deque()
+        self.refusal: tuple[int, str] | None = None
+        self.current: ClientRequest | None = None  # head read, body still arriving
+        self.continued = False  # the current request's ``100 Continue`` has gone out
+        self._target = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._body = bytearray()
+        self._in_head = True  # before a head's end (including between requests)
+        self._head_bytes = 0
+
+    def feed(self, data: bytes) -> None:
+        """Parse ``data``. A head still unfinished after ``MAX_HEAD_BYTES`` (counting from the
+        first read that holds nothing else) is refused."""
+        while self.refusal is None and data:
+            counted = self._in_head
+            try:
+                self._parser.feed_data(data)
+            except httptools.HttpParserUpgrade as exc:
+                # Relayed as a plain request (its ``Connection`` header is not forwarded, so
+                # the upstream does not switch): the next request follows.
+                self._parser = httptools.HttpRequestParser(self)
+                data = data[exc.args[0] :]
+                continue
+            except httptools.HttpParserError as exc:
+                self._refuse(400, f"malformed request: {exc}")
+                return
+            if counted and self._in_head:
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
+            return
+
+    @property
+    def awaits_continue(self) -> bool:
+        """The current request's client waits for ``100 Continue`` before it sends the body."""
+        current = self.current
+        return current is not None and current.expects_continue and not self.continued
+
+    def _refuse(self, status: int, reason: str) -> None:
+        if self.refusal is None:  # the first reason; the parser's error follows a callback's
+            self.refusal = (status, reason)
+
+    def on_message_begin(self) -> None:
+        self._target, self._headers, self._body = b"", [], bytearray()
+        self.continued = False
+
+    def on_url(self, url: bytes) -> None:
+        self._target += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_head:  # not a trailer (dropped: a chunked body's fields are not relayed)
+            self._headers.append((name, value.rstrip(b" \t")))
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._head_bytes = False, 0
+        parser = self._parser
+        try:
+            method = parser.get_method()
+            request = ClientRequest(method, self._target, parser.get_http_version(), self._headers)
+        except ValueError as exc:
+            self._refuse(400, f"malformed request: {exc}")
+            raise _Refused from None
+        length = request.fields.get(b"content-length", b"0")
+        if int(length) > MAX_BODY_BYTES:  # llhttp has checked that it is a number
+            self._too_large()
+        self.current = request
+
+    def on_body(self, data: bytes) -> None:
+        self._body += data
+        if len(self._body) > MAX_BODY_BYTES:
+            self._too_large()
+
+    def on_message_complete(self) -> None:
+        request, self.current = self.current, None
+        assert request is not None
+        request.body = bytes(self._body)
+        self.ready.append(request)
+        self._in_head = True
+
+    def _too_large(self) -> None:
+        self._refuse(413, f"request body over {MAX_BODY_BYTES} bytes")
+        raise _Refused
+
+
+class ResponseReader:
+    """One upstream response, parsed by llhttp: its head, then its body as the client gets it,
+    from :meth:`feed`: a chunked body's payload chunked again as it arrives (one chunk per
+    piece, so the client never holds half a chunk; chunk extensions and trailers are dropped),
+    any other body as it came; or, with ``keep_payload``, its payload gathered in ``payload``
+    instead. ``head_only``: the answer to a HEAD, a head alone."""
+
+    def __init__(self, head_only: bool, keep_payload: bool):
+        self._parser = httptools.HttpResponseParser(self)
+        self.head_only = head_only
+        self.keep_payload = keep_payload
+        self.status = 0
+        self.start_line = b""
+        self.lines: list[bytes] = []  # its header lines, but the hop-by-hop ones
+        self.fields: dict[bytes, bytes] = {}
+        self.head_done = False
+        self.done = False
+        self.chunked = False
+        self.until_close = False  # the body ends when the connection does
+        self.keep_alive = True
+        self.extra = False  # bytes came after the response's end: the connection is out of step
+        self.error: ValueError | None = None  # the response is malformed
+        self.payload = bytearray()  # with ``keep_payload``, instead of relayed bytes
+        self._reason = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._out: list[bytes] = []
+        self._last2 = b"\n\n"  # the payload's last two bytes; the start counts as an event end
+        self._head_bytes = 0
+
+    @property
+    def at_event_end(self) -> bool:
+        """The payload so far ends an SSE event (or is empty)."""
+        return self._last2 == b"\n\n"
+
+    def feed(self, data: bytes) -> bytes:
+        """The body bytes of ``data`` to relay: those before a malformation too, which then
+        sets ``error``."""
+        if not data:  # llhttp would take it for the connection's end
+            return b""
+        if self.done:
+            self.extra = True
+            return b""
+        counted = not self.head_done
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.done, self.keep_alive = True, False  # another protocol follows (101)
+        except httptools.HttpParserError as exc:
+            if self.done:
+                self.extra = True
+            else:
+                self.error = ValueError(f"malformed response: {exc}")
+        if counted and not self.head_done and self.error is None:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self.error = ValueError(f"response head over {MAX_HEAD_BYTES} bytes")
+        out = b"".join(self._out)
+        self._out.clear()
+        return out
+
+    def on_message_begin(self) -> None:
+        self.extra = self.extra or self.done
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.head_done:  # not a trailer
+            self._headers.append((name, value.rstrip(b" \t")))
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        status = parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            self._reason, self._headers = b"", []  # interim (100 Continue): the answer follows
+            return
+        self.head_done, self.status, self.keep_alive = True, status, parser.should_keep_alive()
+        version = parser.get_http_version().encode()
+        self.start_line = b"HTTP/%s %d %s" % (version, status, self._reason)
+        self.fields = fields = by_name(self._headers)
+        self.lines = header_lines(self._headers, RESPONSE_DROP)
+        coding = fields.get(b"transfer-encoding")
+        bodied = not (self.head_only or status in (101, 204, 304))
+        self.chunked = bodied and coding is not None and coding.lower().endswith(b"chunked")
+        self.until_close = (
+            bodied and not self.chunked and (coding is not None or b"content-length" not in fields)
+        )
+        self.done = self.head_only
+
+    def on_body(self, data: bytes) -> None:
+        if self.done:  # bytes after a HEAD's answer
+            self.extra = True
+        elif self.keep_payload:
+            self.payload += data
+        else:
+            self._last2 = data[-2:] if len(data) > 1 else (self._last2 + data)[-2:]
+            self._out.append(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
+
+    def on_message_complete(self) -> None:
+        if self.head_done and not self.done:
+            self.done = True
+            if self.chunked and not self.keep_payload:
+                self._out.append(b"0\r\n\r\n")
 
 
 def with_members(raw: bytes, members: dict[str, Any]) -> bytes:

@@ -12,11 +12,8 @@ from typing import Any, cast
 from servematrix.proxy.http import (
     HEALTH_TIMEOUT_S,
     INFERENCE_PATHS,
-    MAX_BODY_BYTES,
-    MAX_HEAD_BYTES,
-    RESPONSE_DROP,
-    BodyFraming,
     ClientRequest,
+    RequestReader,
     describe,
     error_body,
     log,
@@ -32,9 +29,7 @@ class ClientConnection(asyncio.Protocol):
         self.proxy = proxy
         self.transport: asyncio.Transport | None = None
         self.gone = False
-        self._buffer = bytearray()
-        self._request: ClientRequest | None = None  # head read, body still arriving
-        self._chunks: BodyFraming | None = None  # a chunked request body's framing
+        self._requests = RequestReader()
         self._busy = False  # a request is being answered
         self._close_after = False
         self._head_request = False  # the request being answered is a HEAD: no body goes back
@@ -53,9 +48,8 @@ class ClientConnection(asyncio.Protocol):
             self._relaying.close()  # the server aborts the request, as without the proxy
 
     def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        if not self._busy:
-            self._next_request()
+        self._requests.feed(data)
+        self._next_request()
 
     def pause_writing(self) -> None:
         if self._relaying is not None and self._relaying.transport is not None:
@@ -66,52 +60,27 @@ class ClientConnection(asyncio.Protocol):
             self._relaying.transport.resume_reading()
 
     def _next_request(self) -> None:
+        """Answer the next complete request, if none is being answered; else refuse a malformed
+        one, or let a client that waits for ``100 Continue`` send its body."""
+        if self._busy or self.gone:
+            return
         assert self.transport is not None
-        if self._request is None:
-            end = self._buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buffer) > MAX_HEAD_BYTES:
-                    self._refuse(431, "request head too large")
-                return
-            try:
-                request = ClientRequest(bytes(self._buffer[:end]))
-            except ValueError as exc:
-                self._refuse(400, f"malformed request: {exc}")
-                return
-            del self._buffer[: end + 4]
-            if request.length > MAX_BODY_BYTES:
-                self._refuse(413, f"request body over {MAX_BODY_BYTES} bytes")
-                return
-            expect = request.fields.get(b"expect", b"").lower() == b"100-continue"
-            if expect and (request.chunked or len(self._buffer) < request.length):
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            self._request = request
-            self._chunks = BodyFraming(None, True, True) if request.chunked else None
-        request = self._request
-        if self._chunks is not None:
-            try:
-                used = self._chunks.feed(bytes(self._buffer))
-            except ValueError as exc:
-                self._refuse(400, f"malformed chunked body: {exc}")
-                return
-            del self._buffer[:used]
-            if len(self._chunks.payload) > MAX_BODY_BYTES:
-                self._refuse(413, f"request body over {MAX_BODY_BYTES} bytes")
-                return
-            if not self._chunks.done:
-                return
-            request.body = bytes(self._chunks.payload)
-        else:
-            if len(self._buffer) < request.length:
-                return
-            request.body = bytes(self._buffer[: request.length])
-            del self._buffer[: request.length]
-        self._request = self._chunks = None
-        self._busy = True
-        self._close_after = not request.keep_alive
-        self._head_request = request.method == b"HEAD"
-        self._wrote = False
-        self.proxy.spawn(self._answer(request))
+        requests = self._requests
+        if requests.ready:
+            request = requests.ready.popleft()
+            self._busy = True
+            self._close_after = not request.keep_alive
+            self._head_request = request.method == b"HEAD"
+            self._wrote = False
+            self.proxy.spawn(self._answer(request))
+        elif requests.refusal is not None:
+            status, reason = requests.refusal
+            peer = self.transport.get_extra_info("peername")
+            log.warning("refused a request from %s: HTTP %d, %s", peer, status, reason)
+            self._refuse(status, reason)
+        elif requests.awaits_continue:
+            requests.continued = True
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     async def _answer(self, request: ClientRequest) -> None:
         try:
@@ -127,7 +96,7 @@ class ClientConnection(asyncio.Protocol):
         assert self.transport is not None
         if self._close_after:
             self.transport.close()
-        elif self._buffer:
+        else:
             self._next_request()
 
     def _refuse(self, status: int, message: str) -> None:
@@ -181,15 +150,14 @@ class ClientConnection(asyncio.Protocol):
         if self.gone:
             exchange.connection.close()
             return
-        assert self.transport is not None and exchange.body is not None
-        transport, body = self.transport, exchange.body
+        assert self.transport is not None
+        transport, response = self.transport, exchange.response
         self._wrote = True  # or will have, once the first body bytes come
-        if body.remaining is None and not body.chunked:
+        if response.until_close:
             self._close_after = True  # the body ends when the connection does
-        parts = [exchange.start_line]
-        for line in exchange.lines:
-            if line.partition(b":")[0].lower() not in RESPONSE_DROP:
-                parts += (b"\r\n", line)
+        parts = [response.start_line]
+        for line in response.lines:
+            parts += (b"\r\n", line)
         if self._close_after:
             parts.append(b"\r\nConnection: close")
         parts.append(b"\r\n\r\n")
@@ -221,15 +189,15 @@ class ClientConnection(asyncio.Protocol):
             self._failed_mid_response(exchange, url)
 
     def _failed_mid_response(self, exchange: Exchange, url: str) -> None:
-        assert self.transport is not None and exchange.body is not None
-        body = exchange.body
+        assert self.transport is not None
+        response = exchange.response
         message = f"upstream {url} failed mid-response: {describe(exchange.error)}"
         log.warning("%s", message)
         event = b"data: " + error_body(message, 502) + b"\n\ndata: [DONE]\n\n"
-        if exchange.sse and body.at_event_end and body.chunked:
+        if exchange.sse and response.at_event_end and response.chunked:
             self.transport.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
             return
-        if exchange.sse and body.at_event_end and body.remaining is None:
+        if exchange.sse and response.at_event_end and response.until_close:
             self.transport.write(event)  # the connection's end ends this body
         self._close_after = True  # otherwise the client sees the body cut
 

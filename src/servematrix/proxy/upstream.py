@@ -8,27 +8,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-from servematrix.proxy.http import (
-    CONNECT_TIMEOUT_S,
-    MAX_HEAD_BYTES,
-    BodyFraming,
-    parse_head,
-    set_nodelay,
-)
+from servematrix.proxy.http import CONNECT_TIMEOUT_S, ResponseReader, set_nodelay
 
 
 class Exchange:
-    """One request and its response on an upstream connection. The response's body bytes go
-    to ``sink`` as they arrive (raw, framing included), or wait in ``pending`` until one is set."""
+    """One request and its response on an upstream connection. The response's body bytes, as
+    the client gets them (:class:`ResponseReader`), go to ``sink`` as they arrive, or wait in
+    ``pending`` until one is set."""
 
-    def __init__(self, connection: UpstreamConnection, keep_payload: bool):
+    def __init__(self, connection: UpstreamConnection, keep_payload: bool, head_only: bool):
         self.connection = connection
-        self.start_line = b""
-        self.status = 0
-        self.lines: list[bytes] = []
-        self.fields: dict[bytes, bytes] = {}
-        self.body: BodyFraming | None = None
-        self.keep_payload = keep_payload
+        self.response = ResponseReader(head_only, keep_payload)
         self.pending: list[bytes] = []
         self.sink: Callable[[bytes], Any] | None = None
         self.error: Exception | None = None
@@ -39,7 +29,7 @@ class Exchange:
 
     @property
     def sse(self) -> bool:
-        media = self.fields.get(b"content-type", b"").split(b";", 1)[0]
+        media = self.response.fields.get(b"content-type", b"").split(b";", 1)[0]
         return media.strip().lower() == b"text/event-stream"
 
     async def head(self) -> None:
@@ -72,10 +62,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.upstream = upstream
         self.transport: asyncio.Transport | None = None
         self.exchange: Exchange | None = None
-        self.head_only = False  # the exchange's request was a HEAD: no body follows
         self.reusable = True
         self.closed = False
-        self._buffer = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
@@ -84,8 +72,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def start(self, request: bytes, keep_payload: bool, head_only: bool) -> Exchange:
         assert self.transport is not None and self.exchange is None
-        self.exchange = Exchange(self, keep_payload)
-        self.head_only = head_only
+        self.exchange = Exchange(self, keep_payload, head_only)
         self.transport.write(request)
         return self.exchange
 
@@ -95,73 +82,24 @@ class UpstreamConnection(asyncio.Protocol):
             self._abandon()
             return
         exchange.received = True
-        if exchange.body is None:
-            data = self._read_head(exchange, data)
-            if exchange.body is None:
-                return
-        body = exchange.body
-        try:
-            used = body.feed(data)
-        except ValueError as exc:
-            self._abandon(exc)
-            return
-        if used < len(data):  # bytes after the response: the connection cannot be trusted
-            self.reusable = False
-            data = data[:used]
+        response = exchange.response
+        data = response.feed(data)
+        if response.head_done:
+            exchange.head_arrived()
         if data:
             if exchange.sink is not None:
                 exchange.sink(data)
             else:
                 exchange.pending.append(data)
-        if body.done:
+        if response.error is not None:
+            self._abandon(response.error)
+        elif response.done:
+            if response.extra or not response.keep_alive:
+                self.reusable = False
             self._finish(None)
-
-    def _read_head(self, exchange: Exchange, data: bytes) -> bytes:
-        """Parse the response head once it is complete; return the bytes after it."""
-        self._buffer += data
-        while True:
-            end = self._buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buffer) > MAX_HEAD_BYTES:
-                    self._abandon(ValueError("response head too long"))
-                return b""
-            head, self._buffer = self._buffer[:end], self._buffer[end + 4 :]
-            try:
-                (version, status, _), lines, fields = parse_head(head)
-                start = head.split(b"\r\n", 1)[0]
-                code = int(status)
-                chunked = b"chunked" in fields.get(b"transfer-encoding", b"").lower()
-                length = None if chunked else fields.get(b"content-length")
-                if length is not None and not length.isdigit():
-                    raise ValueError(f"bad Content-Length {length[:40]!r}")
-            except ValueError as exc:
-                self._abandon(exc)
-                return b""
-            if 100 <= code < 200 and code != 101:
-                continue  # an interim response (100 Continue, 103 Early Hints): the answer follows
-            break
-        connection = fields.get(b"connection", b"").lower()
-        if b"close" in connection or (version == b"HTTP/1.0" and b"keep-alive" not in connection):
-            self.reusable = False
-        if self.head_only or code in (101, 204, 304):
-            body = BodyFraming(0, False, exchange.keep_payload)
-            self.reusable = self.reusable and code != 101  # switched to another protocol
-        else:
-            body = BodyFraming(
-                None if length is None else int(length), chunked, exchange.keep_payload
-            )
-            if length is None and not chunked:
-                self.reusable = False  # the body ends when the connection does
-        exchange.start_line, exchange.status = start, code
-        exchange.lines, exchange.fields = lines, fields
-        exchange.body = body
-        exchange.head_arrived()
-        data, self._buffer = self._buffer, b""
-        return data
 
     def _finish(self, error: Exception | None) -> None:
         exchange, self.exchange = self.exchange, None
-        self._buffer = b""
         if exchange is not None:
             exchange.close(error)
         if error is None and self.reusable and not self.closed:
@@ -188,10 +126,10 @@ class UpstreamConnection(asyncio.Protocol):
         exchange = self.exchange
         if exchange is None:
             return
-        body = exchange.body
-        if body is not None and body.remaining is None and not body.chunked:
+        response = exchange.response
+        if response.until_close:
             self._finish(None)  # a body delimited by the connection's end: complete
-        elif body is None:
+        elif not response.head_done:
             self._finish(exc or ConnectionError("the connection closed before a response"))
         else:
             self._finish(exc or ConnectionError("the connection closed before the response's end"))
@@ -291,8 +229,7 @@ class Upstream:
             raise
         if exchange.error is not None:
             raise exchange.error
-        assert exchange.body is not None
-        return exchange.status, bytes(exchange.body.payload)
+        return exchange.response.status, bytes(exchange.response.payload)
 
     def close(self) -> None:
         for connection in list(self.connections):
