@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--gpu", default=_env("GPU", DEFAULT_GPU), help="modelled GPU")
     emu.add_argument("--recipe", choices=("v0", "v1"), default=_env("RECIPE", "v1"))
     emu.add_argument(
+        "--step-time-profile",
+        default=_env("STEP_TIME_PROFILE"),
+        help="a hardware profile file whose terms give the step times (servematrix calibrate)",
+    )
+    emu.add_argument(
         "--architecture",
         default=_env("ARCHITECTURE"),
         help="the model's config.json (or a shipped name, a Hub id) to model, instead of "
@@ -254,6 +259,7 @@ def engine_setup(args: argparse.Namespace, model: ModelInfo, max_model_len: int)
             jitter_cv=args.jitter_cv,
             straggler_probability=args.straggler_probability,
             model_label=args.model,
+            step_time_profile=args.step_time_profile,
         )
         return setup_of_flags(model.arch, flags)
     except (ModelDoesNotFitError, ValueError, KeyError) as error:
