@@ -31,6 +31,7 @@ rule capacity:
     input:
         traces=get_deployment_traces,
         simulated=get_simulated_capacity,
+        profile=get_engine_profile,
     output:
         "results/{backend}/capacity/{recipe}/{model}/{mode}/{deployment}.json",
     log:

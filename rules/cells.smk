@@ -55,6 +55,7 @@ def cell_priority(wildcards):
 rule simulate_cell:
     input:
         get_cell_dataset,
+        get_engine_profile,
     output:
         f"results/{{backend}}/cells/{CELL_PATTERN}.parquet",
     log:
@@ -73,6 +74,7 @@ rule simulate_cell:
 rule cell:
     input:
         get_cell_dataset,
+        get_engine_profile,
     output:
         f"results/{{backend}}/cells/{CELL_PATTERN}.parquet",
     log:

@@ -2,10 +2,13 @@
 # one validated config (servematrix.config). A bad config stops here, before any job.
 import functools
 import json
+import shlex
 import sys
 from pathlib import Path
 
 from servematrix import capacity_run, matrix
+from servematrix.calibration.cli import calibration_arguments
+from servematrix.engine.hardware import DEFAULT_GPU
 from servematrix.cell import AVAILABLE_BACKENDS
 from servematrix.identity import cell_identity
 from servematrix.workflow import (
@@ -163,6 +166,24 @@ def get_cell_dataset(wildcards):
     """The dataset file a cell reads (sonnet, jsonl), as an input: none for random prompts."""
     path = config_of(wildcards.backend).cell_at(cell_path_of(wildcards)).workload.dataset_path
     return [path] if path else []
+
+
+# `engine.profile` (the step times of every simulated or emulated cell), and `calibration:`
+# (rules/calibrate.smk): the server to probe to write it.
+ENGINE_PROFILE = RUN_CONFIG.raw.get("engine", {}).get("profile")
+CALIBRATION = RUN_CONFIG.raw.get("calibration")
+
+
+def get_engine_profile(wildcards):
+    """The hardware profile as an input of the jobs that run the engine model (cells and
+    capacity searches on the simulator and emulator): rule calibrate writes it when the config
+    calibrates; a hand-written one reruns them when edited."""
+    return [ENGINE_PROFILE] if ENGINE_PROFILE and wildcards.backend != "vllm" else []
+
+
+def get_calibrate_args(wildcards):
+    engine_gpu = RUN_CONFIG.raw.get("engine", {}).get("gpu", DEFAULT_GPU)
+    return shlex.join(calibration_arguments(CALIBRATION, engine_gpu))
 
 
 def get_study_traces(wildcards):

@@ -4,13 +4,15 @@ read back, refused with one line naming its field, and used by the engine and th
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
-from servematrix import steptimes
+from servematrix import cli, config, steptimes
 from servematrix.calibration.fit import FitError, fit_terms
 from servematrix.calibration.probes import (
     Observation,
@@ -23,6 +25,7 @@ from servematrix.calibration.probes import (
 )
 from servematrix.cell import run_cell
 from servematrix.config import load, read_yaml
+from servematrix.deploy.recipes import emulator_flags
 from servematrix.engine.profile import (
     TERMS,
     ProfileError,
@@ -35,7 +38,7 @@ from servematrix.engine.profile import (
 from servematrix.engine.setup import build_engine_setup
 from servematrix.engine.steptime import StepBatch
 from servematrix.findings.recommend import caveat
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SMALL_CONFIG
 
 TRUE = ProfileTerms(0.012, 6e-5, 4e-5, 9e-8, 0.004)
 L40S_PROFILE = ROOT / "config" / "profiles" / "l40s-qwen2.5-7b.yaml"
@@ -253,3 +256,22 @@ def test_the_simulator_runs_an_l40s_study_from_the_hand_written_profile(tmp_path
     assert any("scaled from qwen2.5-7b to qwen2.5-3b" in s for s in sentences)
     assert "hardware profile" in caveat("simulator", "L40S-48GB", sentences)
     assert read_profile(L40S_PROFILE).provenance.method == "hand-written"
+
+
+def test_a_config_whose_model_the_profile_is_not_of_is_refused_by_check(tmp_path, capsys):
+    """A profile of the L40S and bf16 named by a study of an A100 and int4: one line naming
+    ``engine.profile`` and the field, before any job runs."""
+    cfg = copy.deepcopy(SMALL_CONFIG)
+    cfg["engine"] = {"gpu": "A100-SXM4-80GB", "profile": str(L40S_PROFILE)}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    assert cli.main(["check", str(path)]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "engine.profile" in line and "provenance.gpu: the profile is of L40S-48GB" in line
+
+
+def test_an_emulator_deployment_passes_the_profile_as_an_absolute_path(default_config):
+    raw = {**default_config, "backend": "emulator", "engine": {"profile": "p/x.yaml"}}
+    cell = config.load(raw).all_cells()[0]
+    flags = emulator_flags(cell)
+    assert flags[flags.index("--step-time-profile") + 1] == str(Path("p/x.yaml").resolve())

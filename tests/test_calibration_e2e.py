@@ -7,6 +7,7 @@ clock, and this machine's load adds to what the client sees."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import statistics
 import subprocess
 import sys
@@ -19,7 +20,9 @@ import pytest
 from servematrix.calibration.probes import Probe
 from servematrix.calibration.run import Settings, probe_server
 from servematrix.engine.profile import read_profile
+from tests.conftest import SMALL_CONFIG
 from tests.test_emulator_e2e import emulator
+from tests.workflow_helpers import copy_workflow, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -98,3 +101,33 @@ def test_calibrate_fails_in_one_line_without_a_server(tmp_path):
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "servematrix calibrate: error: no OpenAI" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_study_depends_on_the_workflows_calibrate_rule(tmp_path):
+    """``calibration:`` in the config: rule calibrate probes the server and writes the profile
+    ``engine.profile`` names, and the study's simulated cells take their step times from it."""
+    cfg = copy.deepcopy(SMALL_CONFIG)
+    del cfg["slo"], cfg["capacity"]
+    study = cfg["studies"]["sizes"]
+    cfg["studies"] = {
+        "one": {**study, "models": ["Qwen2.5-7B-Instruct-GPTQ-Int4"], "input_len": [512]}
+    }
+    cfg["engine"] = {"profile": "results/profiles/emulated-a100.yaml"}
+    with emulator("--max-model-len", "4096") as (url, _):
+        cfg["calibration"] = {
+            "url": url,
+            "model": SERVED,
+            "architecture": "qwen2.5-7b",
+            "quantization": "gptq-int4",
+            "server": "servematrix-emulator",
+            "repeats": 1,
+        }
+        workdir = copy_workflow(tmp_path / "wf", cfg)
+        done = snakemake(workdir, "--cores", "1", "results/simulator/step_times/one.md")
+    assert done.returncode == 0, done.stderr[-3000:]
+    profile = read_profile(workdir / "results" / "profiles" / "emulated-a100.yaml")
+    assert profile.provenance.method == "fitted" and profile.provenance.server.startswith(
+        "servematrix-emulator at http://127.0.0.1:"
+    )
+    sources = (workdir / "results" / "simulator" / "step_times" / "one.md").read_text()
+    assert "hardware profile results/profiles/emulated-a100.yaml" in sources

@@ -9,6 +9,7 @@ They live above ``config`` (which sits below the engine and imports none of it) 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from servematrix.engine.admission import kv_capacity_message
@@ -115,10 +116,13 @@ def _check_plain_prefill(cfg: Config) -> None:
 def _check_profiles(cfg: Config) -> None:
     """An ``engine.profile`` is read, and must be of each simulated model's GPU, TP and
     quantization (or scale to its architecture), before any job runs."""
+    calibrated = _calibrated_profile(cfg)
     seen: set[tuple[Any, ...]] = set()
     for cell in cfg.all_cells():
         if cell.backend not in ("simulator", "emulator") or not cell.engine.get("profile"):
             continue
+        if calibrated and not Path(calibrated).exists():
+            return  # the workflow's calibrate rule writes it before any cell runs
         flags = EngineFlags.of_cell(cell)
         key = (cell.model.architecture, flags.gpu, flags.tensor_parallel, flags.quantization)
         if key in seen:
@@ -128,6 +132,17 @@ def _check_profiles(cfg: Config) -> None:
             profile_step_time(load_architecture(cell.model.architecture), flags)
         except ProfileError as error:
             raise ConfigError("engine.profile", f"{cell.model.name}: {error}") from None
+
+
+def _calibrated_profile(cfg: Config) -> str | None:
+    """The profile the workflow's calibrate rule writes (``calibration:``), which
+    ``engine.profile`` must name; None without ``calibration:``."""
+    if not cfg.raw.get("calibration"):
+        return None
+    profile = cfg.raw.get("engine", {}).get("profile")
+    if not profile:
+        raise ConfigError("calibration", "set engine.profile: the file calibration writes")
+    return str(profile)
 
 
 def _check_engine_fits(cfg: Config) -> None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from servematrix.calibration.fit import FitError, fit_terms
 from servematrix.calibration.probes import design
@@ -51,6 +53,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     calibrate.add_argument("--repeats", type=int, default=3, help="runs of each probe")
     calibrate.add_argument("--seed", type=int, default=0, help="the prompts' token ids")
     calibrate.set_defaults(run=run)
+
+
+def calibration_arguments(calibration: Mapping[str, Any], engine_gpu: str) -> list[str]:
+    """The command line (without ``--out``) of the workflow's calibrate rule for a config's
+    ``calibration:`` section; its GPU defaults to the config's ``engine.gpu``."""
+    args = ["--url", str(calibration["url"]), "--model", str(calibration["model"])]
+    args += ["--gpu", str(calibration.get("gpu", engine_gpu))]
+    for key in ("architecture", "quantization", "tensor_parallel", "server", "repeats"):
+        if key in calibration:
+            args += [f"--{key.replace('_', '-')}", str(calibration[key])]
+    if "max_model_len" in calibration:
+        args += ["--max-model-len", str(calibration["max_model_len"])]
+    return args
 
 
 def run(args: argparse.Namespace) -> int:
