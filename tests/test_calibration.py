@@ -125,6 +125,13 @@ def test_a_decode_probe_times_the_steps_all_requests_share():
     assert 3 * 256 < row.kv_tokens_read < 3 * (256 + 30)
 
 
+def test_tokens_the_client_read_together_still_time_the_step():
+    """Two tokens per read (a busy client): gaps of 0 and 20 ms average to the 10 ms step."""
+    times = tuple(0.05 + 0.02 * (k // 2) for k in range(1, 17))
+    _, itl = observations(Probe("prefill", 512, 1, 16), [Stream(0.0, times)])
+    assert itl.seconds == pytest.approx(0.01, rel=0.1)
+
+
 def test_a_prefill_probe_gives_ttft_with_the_api_and_a_decode_step():
     stream = Stream(0.0, (0.05, 0.06, 0.07, 0.08))
     ttft, itl = observations(Probe("prefill", 512, 1, 4), [stream])

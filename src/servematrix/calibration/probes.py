@@ -102,9 +102,12 @@ def design(max_model_len: int, max_num_seqs: int = 256) -> list[Probe]:
     return probes
 
 
-def _gaps(stream: Stream, start: float, end: float) -> list[float]:
-    times = stream.token_s
-    return [b - a for a, b in itertools.pairwise(times) if a >= start and b <= end]
+def _step_s(stream: Stream, start: float, end: float) -> float | None:
+    """The mean gap between the stream's tokens within [start, end]: the span over the gaps,
+    not their median, so tokens the client read together (one gap near zero, the next twice
+    as long) still average to the step (None: fewer than two tokens in the window)."""
+    times = [t for t in stream.token_s if start <= t <= end]
+    return (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 2 else None
 
 
 def observations(
@@ -123,17 +126,18 @@ def observations(
 def _prefill_rows(probe: Probe, stream: Stream) -> list[Observation]:
     n = probe.prompt_tokens
     rows = [Observation(probe.name, "ttft", stream.token_s[0] - stream.sent_s, n, 1, 0, 1)]
-    gaps = _gaps(stream, stream.token_s[0], stream.token_s[-1])
-    context = n + len(stream.token_s) / 2
-    rows.append(Observation(probe.name, "itl", statistics.median(gaps), 0, 1, context))
+    step = _step_s(stream, stream.token_s[0], stream.token_s[-1])
+    if step:
+        context = n + len(stream.token_s) / 2
+        rows.append(Observation(probe.name, "itl", step, 0, 1, context))
     return rows
 
 
 def _decode_rows(probe: Probe, streams: Sequence[Stream]) -> list[Observation]:
     start = max(s.token_s[0] for s in streams)
     end = min(s.token_s[-1] for s in streams)
-    gaps = [g for s in streams for g in _gaps(s, start, end)]
-    if len(gaps) < 3:
+    steps = [step for s in streams if (step := _step_s(s, start, end)) is not None]
+    if not steps:
         return []
     b = len(streams)
     generated = statistics.mean(
@@ -141,7 +145,7 @@ def _decode_rows(probe: Probe, streams: Sequence[Stream]) -> list[Observation]:
         for s in streams
     )
     kv = b * (probe.prompt_tokens + generated)
-    return [Observation(probe.name, "itl", statistics.median(gaps), 0, b, kv)]
+    return [Observation(probe.name, "itl", statistics.median(steps), 0, b, kv)]
 
 
 def _mixed_rows(probe: Probe, streams: Sequence[Stream], late: Stream | None) -> list[Observation]:

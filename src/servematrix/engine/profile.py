@@ -27,6 +27,7 @@ import yaml
 from servematrix.engine.architecture import Architecture, ArchitectureError, load_architecture
 from servematrix.engine.roofline import weight_bytes
 from servematrix.engine.steptime import StepBatch
+from servematrix.files import write_text
 
 TERMS = (
     "per_step_s",
@@ -121,9 +122,10 @@ def profile_record(profile: StepTimeProfile) -> dict[str, Any]:
 
 
 def write_profile(profile: StepTimeProfile, path: str | Path) -> None:
+    """Write ``profile`` atomically (its directory made if need be)."""
     text = '# servematrix step-time profile (docs/simulator.md, "Calibrated profiles")\n'
     text += yaml.safe_dump(profile_record(profile), sort_keys=False)
-    Path(path).write_text(text)
+    write_text(path, text)
 
 
 def _terms(path: str | Path, raw: Any, section: str, required: bool) -> ProfileTerms | None:
