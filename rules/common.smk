@@ -277,6 +277,11 @@ def get_engine_gpu(wildcards):
     return str(RUN_CONFIG.raw["engine"]["gpu"])
 
 
+def get_engine_profile_name(wildcards):
+    """The hardware profile the engine model takes its step times from ("" for none)."""
+    return ENGINE_PROFILE or ""
+
+
 def get_backend(wildcards):
     return wildcards.backend
 

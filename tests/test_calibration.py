@@ -282,3 +282,10 @@ def test_an_emulator_deployment_passes_the_profile_as_an_absolute_path(default_c
     cell = config.load(raw).all_cells()[0]
     flags = emulator_flags(cell)
     assert flags[flags.index("--step-time-profile") + 1] == str(Path("p/x.yaml").resolve())
+
+
+def test_the_emulators_caveat_names_its_profile():
+    assert "step times from the hardware profile p.yaml" in caveat(
+        "emulator", "L40S-48GB", [], "p.yaml"
+    )
+    assert "profile" not in caveat("emulator", "L40S-48GB", [], "")

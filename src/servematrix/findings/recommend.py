@@ -427,9 +427,10 @@ def no_slo_section() -> Section:
     )
 
 
-def caveat(backend: str, gpu: str, step_times: list[str]) -> str:
+def caveat(backend: str, gpu: str, step_times: list[str], profile: str | None = None) -> str:
     """How far to trust the numbers: simulated or measured, and where the step times came
-    from (measured operator tables, or the roofline's extrapolation: ``step_times``)."""
+    from (measured operator tables, a hardware profile, or the roofline's extrapolation:
+    ``step_times``; the emulator's, ``profile`` when it has one)."""
     if backend == "simulator":
         sources = f" {step_times[0]}" if step_times else ""
         return (
@@ -437,8 +438,9 @@ def caveat(backend: str, gpu: str, step_times: list[str]) -> str:
             f"time.{sources} Confirm the winner with a few measured probes around its capacity."
         )
     if backend == "emulator":
+        steps = f", step times from the hardware profile {profile}" if profile else ""
         return (
-            f"Caveat: real processes and HTTP around the simulated engine ({gpu}): the serving "
-            "path is measured, the GPU is still the model's."
+            f"Caveat: real processes and HTTP around the simulated engine ({gpu}{steps}): the "
+            "serving path is measured, the GPU is still the model's."
         )
     return f"Caveat: measured on the {backend} backend (one machine, one run per seed)."
