@@ -12,7 +12,9 @@ composition, so its times are rows of a linear model in the profile's terms
   until the first finishes, every gap is a step of b sequences reading about b·c KV tokens;
 * **mixed** (b requests decoding, then one prompt of n tokens): the decoders' longest gap
   begun while the newcomer waits for its first token is a step that prefills n tokens beside
-  them (the decoders' token of that step may arrive just before the newcomer's first).
+  them (the decoders' token of that step may arrive just before the newcomer's first). That
+  is how vLLM V1 (and V0 with chunked prefill) schedules; V0's plain prefill runs the prompt
+  in a step of its own, which these rows then overstate (the residuals show it).
 
 Where the server exports vLLM's request histograms on ``/metrics``
 (``vllm:request_prefill_time_seconds``, ``vllm:request_decode_time_seconds``,
