@@ -78,12 +78,15 @@ def test_calibrate_the_emulator_and_predict_held_out_probes(tmp_path):
         profile = read_profile(out)
         held_out = measured_medians(url)
     assert profile.provenance.server_version and profile.provenance.probes >= 28
+    assert profile.provenance.server_metrics  # the emulator exports vLLM's request histograms
     assert profile.residuals is not None and profile.residuals.median_abs_relative < 0.1
     assert all(v > 0 for v in profile.terms.vector()[:2])
     terms = np.array(profile.terms.vector())
     assert set(held_out) == {
         ("prefill 1x768", "ttft"),
         ("prefill 1x768", "itl"),
+        ("prefill 1x768", "server prefill"),
+        ("prefill 1x768", "server decode step"),
         ("decode 8x512", "itl"),
     }
     for key, (seconds, features) in held_out.items():

@@ -18,8 +18,9 @@ composition, so its times are rows of a linear model in the profile's terms
 
 Where the server exports vLLM's request histograms on ``/metrics``
 (``vllm:request_prefill_time_seconds``, ``vllm:request_decode_time_seconds``,
-``vllm:request_generation_tokens``), the change over a probe adds the server's own view: a
-prefill without the API server, and the mean decode step (`server_observations`).
+``vllm:request_generation_tokens``), their change over a lone request's probe adds the
+server's own view: its prefill without the API server, and its mean decode step
+(`server_observations`).
 """
 
 from __future__ import annotations
@@ -200,10 +201,11 @@ def parse_metrics(text: str) -> dict[str, float]:
 def server_observations(
     probe: Probe, before: Mapping[str, float], after: Mapping[str, float], kv_tokens_read: float
 ) -> list[Observation]:
-    """Rows from the change of the server's histograms over one run of ``probe``: a lone
-    request's mean prefill time (no API server in it), and the mean decode step of a decode
-    probe (``kv_tokens_read`` is that step's, from the client's rows). None when the server
-    does not export them."""
+    """Rows from the change of the server's histograms over one run of a prefill probe: the
+    lone request's prefill time (no API server in it) and its mean decode step
+    (``kv_tokens_read`` is that step's, from the client's rows). None for the other probes (a
+    request's decode time there includes the steps that prefilled the others beside it) or
+    when the server does not export them."""
     if not all(name in before and name in after for name in SERVER_SERIES):
         return []
     delta = {name: after[name] - before[name] for name in SERVER_SERIES}
@@ -218,7 +220,7 @@ def server_observations(
         delta["vllm:request_generation_tokens_sum"]
         - delta["vllm:request_decode_time_seconds_count"]
     )
-    if probe.kind in ("prefill", "decode") and steps > 0:
+    if probe.kind == "prefill" and steps > 0:
         step_s = delta["vllm:request_decode_time_seconds_sum"] / steps
         rows.append(
             Observation(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -399,6 +400,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         api_request_ms=setup.host.request_ms,
         vocab_size=setup.arch.vocab_size,
     )
+    # Start-up objects (the step-time tables, the model) leave the collector's generations: a
+    # full collection over them would pause the wall-clock engine mid-run for milliseconds,
+    # enough to split two requests sent together into different steps.
+    gc.collect()
+    gc.freeze()
     try:
         asyncio.run(serve(args, setup, settings))
     except StartupError as error:
