@@ -42,8 +42,6 @@ class Fit:
     terms: ProfileTerms
     stderr: ProfileTerms
     residuals: Residuals
-    relative_residuals: tuple[float, ...]
-    """(fitted - measured) / measured per observation, in their order."""
 
 
 def fit_terms(observations: Sequence[Observation]) -> Fit:
@@ -94,7 +92,6 @@ def fit_terms(observations: Sequence[Observation]) -> Fit:
         ProfileTerms.of_vector(terms),
         ProfileTerms.of_vector(stderr / scale),
         residuals,
-        tuple(float(r) for r in relative),
     )
 
 

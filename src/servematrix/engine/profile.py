@@ -237,7 +237,7 @@ def scaled_terms(
     per token; a sequence's with the LM head (vocabulary × hidden); the API server's cost per
     request does not depend on the model. Launch and scheduling costs inside ``per_step_s``
     are scaled too, so a much smaller model is predicted fast (on the emulator, 7B to 3B:
-0.66-0.85x; 7B to 14B: 0.95-1.04x, docs/simulator.md)."""
+    0.66-0.85x; 7B to 14B: 0.95-1.04x, docs/simulator.md)."""
     source = profile.provenance
     if arch.name == source.architecture:
         return profile.terms, None
