@@ -26,6 +26,7 @@ include: "rules/figures.smk"
 include: "rules/report.smk"
 include: "rules/compare.smk"
 include: "rules/capacity.smk"
+include: "rules/calibrate.smk"
 
 
 if REPORT is not None:

@@ -9,6 +9,8 @@ from servematrix.workflow import worker_job
 
 
 rule simulate_capacity:
+    input:
+        get_engine_profile,
     output:
         "results/{backend}/capacity/{recipe}/{model}/{mode}/{deployment}.json",
     log:
@@ -31,6 +33,7 @@ rule capacity:
     input:
         traces=get_deployment_traces,
         simulated=get_simulated_capacity,
+        profile=get_engine_profile,
     output:
         "results/{backend}/capacity/{recipe}/{model}/{mode}/{deployment}.json",
     log:

@@ -54,6 +54,7 @@ def cell_priority(wildcards):
 rule simulate_cell:
     input:
         get_cell_dataset,
+        get_engine_profile,
     output:
         f"results/{{backend}}/cells/{CELL_PATTERN}.parquet",
     log:
@@ -72,6 +73,7 @@ rule simulate_cell:
 rule cell:
     input:
         get_cell_dataset,
+        get_engine_profile,
     output:
         f"results/{{backend}}/cells/{CELL_PATTERN}.parquet",
     log:

@@ -2,10 +2,13 @@
 # one validated config (servematrix.config). A bad config stops here, before any job.
 import functools
 import json
+import shlex
 import sys
 from pathlib import Path
 
 from servematrix import backends, capacity_run, matrix
+from servematrix.calibration.cli import calibration_arguments
+from servematrix.engine.hardware import DEFAULT_GPU
 from servematrix.identity import cell_identity
 from servematrix.workflow import (
     fail_on_config_error,
@@ -164,6 +167,25 @@ def get_cell_dataset(wildcards):
     return [path] if path else []
 
 
+# `engine.profile` (the step times of every simulated or emulated cell), and `calibration:`
+# (rules/calibrate.smk): the server to probe to write it.
+ENGINE_PROFILE = RUN_CONFIG.raw.get("engine", {}).get("profile")
+CALIBRATION = RUN_CONFIG.raw.get("calibration")
+
+
+def get_engine_profile(wildcards):
+    """The hardware profile as an input of the jobs that run the engine model (cells and
+    capacity searches on the simulator and emulator): rule calibrate writes it when the config
+    calibrates; a hand-written one reruns them when edited."""
+    engine_model = backends.backend_of(wildcards.backend).ENGINE_MODEL
+    return [ENGINE_PROFILE] if ENGINE_PROFILE and engine_model else []
+
+
+def get_calibrate_args(wildcards):
+    engine_gpu = RUN_CONFIG.raw.get("engine", {}).get("gpu", DEFAULT_GPU)
+    return shlex.join(calibration_arguments(CALIBRATION, engine_gpu))
+
+
 def get_study_traces(wildcards):
     return [cell.path for cell in config_of(wildcards.backend).studies[wildcards.study].cells]
 
@@ -253,6 +275,11 @@ def get_slo_description(wildcards):
 
 def get_engine_gpu(wildcards):
     return str(RUN_CONFIG.raw["engine"]["gpu"])
+
+
+def get_engine_profile_name(wildcards):
+    """The hardware profile the engine model takes its step times from ("" for none)."""
+    return ENGINE_PROFILE or ""
 
 
 def get_backend(wildcards):

@@ -26,6 +26,7 @@ rule findings:
         question=get_study_question,
         slo=get_slo_description,
         gpu=get_engine_gpu,
+        profile=get_engine_profile_name,
         backend=get_backend,
     run:
         with in_process_job(log[0]):

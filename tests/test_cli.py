@@ -100,7 +100,9 @@ def _usage_error(argv: list[str], capsys) -> list[str]:
 
 def test_no_command_prints_the_usage(capsys):
     lines = _usage_error([], capsys)
-    assert lines[0] == "usage: servematrix [-h] [--version] {check,metrics,deploy,bench} ..."
+    assert lines[0] == (
+        "usage: servematrix [-h] [--version] {check,metrics,deploy,bench,calibrate} ..."
+    )
     assert lines[-1] == "servematrix: error: the following arguments are required: command"
 
 

@@ -1,5 +1,6 @@
-"""servematrix: check a config, print a trace's metrics, print a deployment's commands, or
-measure a running server, without running the workflow."""
+"""servematrix: check a config, print a trace's metrics, print a deployment's commands,
+measure a running server, or calibrate a step-time profile on it, without running the
+workflow."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from servematrix import __version__, bench, config, metrics, trace
+from servematrix.calibration import cli as calibrate_cli
 from servematrix.deploy import dryrun as deploy_dryrun
 from servematrix.matrix import ConfigError, gpus_needed
 
@@ -159,6 +161,7 @@ def parser() -> argparse.ArgumentParser:
     show.set_defaults(run=_metrics)
     add_overrides(deploy_dryrun.add_parser(commands), "--configfile FILE")
     bench.add_parser(commands)
+    calibrate_cli.add_parser(commands)
     return top
 
 

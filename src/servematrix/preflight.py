@@ -9,6 +9,7 @@ They live above ``config`` (which sits below the engine and imports none of it) 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from servematrix.backends import backend_of
@@ -21,7 +22,14 @@ from servematrix.engine.architecture import (
 )
 from servematrix.engine.hardware import DEFAULT_GPU, gpu_spec
 from servematrix.engine.kvcache import BLOCK_SIZE_TOKENS, KvMemoryPlan, ModelDoesNotFitError
-from servematrix.engine.setup import EngineFlags, plan_engine, step_time_model, warn_fallback
+from servematrix.engine.profile import ProfileError
+from servematrix.engine.setup import (
+    EngineFlags,
+    plan_engine,
+    profile_step_time,
+    step_time_model,
+    warn_fallback,
+)
 from servematrix.matrix import V0_AUTO_CHUNKED_ABOVE, Cell, Config, ConfigError
 from servematrix.workload import WorkloadError, check_dataset
 
@@ -34,6 +42,7 @@ def check(cfg: Config) -> None:
     _check_context(cfg)
     _check_plain_prefill(cfg)
     _check_engine_fits(cfg)
+    _check_profiles(cfg)
 
 
 def _check_architectures(cfg: Config) -> None:
@@ -103,6 +112,38 @@ def _check_plain_prefill(cfg: Config) -> None:
                     f"prefills by itself above max_model_len {V0_AUTO_CHUNKED_ABOVE} (here "
                     f"{max_model_len}): lower max_model_len, or use recipe v1",
                 )
+
+
+def _check_profiles(cfg: Config) -> None:
+    """An ``engine.profile`` is read, and must be of each simulated model's GPU, TP and
+    quantization (or scale to its architecture), before any job runs."""
+    calibrated = _calibrated_profile(cfg)
+    seen: set[tuple[Any, ...]] = set()
+    for cell in cfg.all_cells():
+        if not backend_of(cell.backend).ENGINE_MODEL or not cell.engine.get("profile"):
+            continue
+        if calibrated and not Path(calibrated).exists():
+            return  # the workflow's calibrate rule writes it before any cell runs
+        flags = EngineFlags.of_cell(cell)
+        key = (cell.model.architecture, flags.gpu, flags.tensor_parallel, flags.quantization)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            profile_step_time(load_architecture(cell.model.architecture), flags)
+        except ProfileError as error:
+            raise ConfigError("engine.profile", f"{cell.model.name}: {error}") from None
+
+
+def _calibrated_profile(cfg: Config) -> str | None:
+    """The profile the workflow's calibrate rule writes (``calibration:``), which
+    ``engine.profile`` must name; None without ``calibration:``."""
+    if not cfg.raw.get("calibration"):
+        return None
+    profile = cfg.raw.get("engine", {}).get("profile")
+    if not profile:
+        raise ConfigError("calibration", "set engine.profile: the file calibration writes")
+    return str(profile)
 
 
 def _check_engine_fits(cfg: Config) -> None:

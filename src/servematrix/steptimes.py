@@ -1,8 +1,9 @@
 """Where a study's simulated step times came from (every run that simulates the study): per
-model setup, whether aiconfigurator-core's measured vLLM tables or the roofline model gave the
-step times, and why the roofline stood in (``step_time_fallback`` in each simulator trace's
-engine parameters). A roofline step time is an estimate from datasheet bandwidth and FLOPs; the
-report says so instead of letting it pass for a measured one."""
+model setup, whether aiconfigurator-core's measured vLLM tables, a hardware profile
+(``engine.profile``) or the roofline model gave the step times, and why the roofline stood in
+(``step_time_fallback`` in each simulator trace's engine parameters). A roofline step time is
+an estimate from datasheet bandwidth and FLOPs; the report says so instead of letting it pass
+for a measured one."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ class CellStepTimes:
     source: str
     fallback_reason: str | None
     """Why the roofline stood in for aiconfigurator's measured tables; None: measured tables."""
+    profile: str | None = None
+    """The hardware profile file whose terms gave the step times (``engine.profile``)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class SetupStepTimes:
     fallback_reason: str | None
     modes: tuple[str, ...]
     cells: int
+    profile: str | None = None
+    """The hardware profile file that gave the step times (``engine.profile``)."""
 
 
 def cell_step_times(path: str | os.PathLike[str]) -> CellStepTimes:
@@ -71,6 +76,7 @@ def cell_step_times(path: str | os.PathLike[str]) -> CellStepTimes:
         quantization=str(engine["quantization"]),
         source=source,
         fallback_reason=reason,
+        profile=engine.get("step_time_profile"),
     )
 
 
@@ -85,11 +91,15 @@ def group_setups(cells: Iterable[CellStepTimes]) -> list[SetupStepTimes]:
             cell.quantization,
             cell.source,
             cell.fallback_reason,
+            cell.profile,
         )
         groups.setdefault(key, []).append(cell)
     return [
         SetupStepTimes(
-            *key, modes=tuple(dict.fromkeys(c.mode for c in members)), cells=len(members)
+            *key[:-1],
+            modes=tuple(dict.fromkeys(c.mode for c in members)),
+            cells=len(members),
+            profile=key[-1],
         )
         for key, members in groups.items()
     ]
@@ -103,21 +113,41 @@ def _cells(n: int) -> str:
     return f"{n} cell" if n == 1 else f"{n} cells"
 
 
+def _share(part: int, total: int) -> str:
+    return f"All {_cells(total)}" if part == total else f"{part} of {_cells(total)}"
+
+
+def profile_sentences(setups: Sequence[SetupStepTimes]) -> list[str]:
+    """Which cells' step times came from a hardware profile (``engine.profile``), and which."""
+    profiled = [s for s in setups if s.profile]
+    if not profiled:
+        return []
+    files = ", ".join(dict.fromkeys(str(s.profile) for s in profiled))
+    share = _share(sum(s.cells for s in profiled), sum(s.cells for s in setups))
+    return [
+        f"{share} took their step times from the hardware profile {files}, not from "
+        "aiconfigurator-core's measured tables or the roofline (docs/simulator.md, "
+        '"Calibrated profiles").'
+    ] + [f"{_setup_name(s)} ({_cells(s.cells)}): {s.source}." for s in profiled]
+
+
 def step_time_sentences(setups: Sequence[SetupStepTimes]) -> list[str]:
-    """Which cells' step times came from the roofline and why, or that none did."""
+    """Which cells' step times came from a hardware profile, which from the roofline and why,
+    or that all came from measured tables."""
     total = sum(s.cells for s in setups)
+    profiled = profile_sentences(setups)
     fallbacks = [s for s in setups if s.fallback_reason is not None]
     if not fallbacks:
-        return [
+        return profiled or [
             f"All {_cells(total)} took their step times from aiconfigurator-core's measured vLLM "
             "operator tables; none fell back to the roofline model."
         ]
-    estimated = sum(s.cells for s in fallbacks)
-    share = f"All {_cells(total)}" if estimated == total else f"{estimated} of {_cells(total)}"
+    share = _share(sum(s.cells for s in fallbacks), total)
     sentences = [
+        *profiled,
         f"{share} took their step times from the roofline model (an "
         "estimate from datasheet bandwidth and FLOPs, docs/engine-model.md), not from measured "
-        "tables:"
+        "tables:",
     ]
     sentences += [
         f"{_setup_name(s)} ({_cells(s.cells)}; modes {', '.join(s.modes)}): {s.fallback_reason}."

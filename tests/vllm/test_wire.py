@@ -32,7 +32,8 @@ DELIBERATE = {
     "prompt + max_tokens > max_model_len": KEYS_033,
     "not streamed": "0.33's choice key weight_versions",
     "text prompt": "0.33's choice key weight_versions",
-    "GET /metrics histograms": "the emulator serves only the series servematrix reads in a cell",
+    "GET /metrics histograms": "the emulator serves only the series servematrix reads (a cell's; "
+    "calibrate's request histograms, as sum and count)",
 }
 
 

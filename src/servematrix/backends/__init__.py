@@ -52,8 +52,10 @@ class Backend(Protocol):
         """The inputs of a cell's result that this backend adds to its identity."""
         ...
 
-    def caveat(self, gpu: str, step_times: list[str]) -> str:
-        """How far to trust its numbers (the Recommendation's last sentence)."""
+    def caveat(self, gpu: str, step_times: list[str], profile: str | None) -> str:
+        """How far to trust its numbers (the Recommendation's last sentence): ``step_times``
+        says where a virtual-time engine's step times came from, ``profile`` names the
+        hardware profile an emulated engine's came from (None: its tables or the roofline)."""
         ...
 
 

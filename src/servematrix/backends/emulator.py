@@ -59,8 +59,9 @@ def identity(cell: Cell) -> dict[str, Any]:
     return {"engine": dict(cell.engine), "deployment": plan(cell).fingerprint}
 
 
-def caveat(gpu: str, step_times: list[str]) -> str:
+def caveat(gpu: str, step_times: list[str], profile: str | None) -> str:
+    steps = f", step times from the hardware profile {profile}" if profile else ""
     return (
-        f"Caveat: real processes and HTTP around the simulated engine ({gpu}): the serving "
-        "path is measured, the GPU is still the model's."
+        f"Caveat: real processes and HTTP around the simulated engine ({gpu}{steps}): the "
+        "serving path is measured, the GPU is still the model's."
     )

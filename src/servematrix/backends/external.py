@@ -43,5 +43,5 @@ def identity(cell: Cell) -> dict[str, Any]:
     return {"base_url": cell.deploy.get("base_url")}
 
 
-def caveat(gpu: str, step_times: list[str]) -> str:
+def caveat(gpu: str, step_times: list[str], profile: str | None) -> str:
     return f"Caveat: measured on the {NAME} backend (one machine, one run per seed)."

@@ -44,7 +44,7 @@ def identity(cell: Cell) -> dict[str, Any]:
     return {"engine": dict(cell.engine)}
 
 
-def caveat(gpu: str, step_times: list[str]) -> str:
+def caveat(gpu: str, step_times: list[str], profile: str | None) -> str:
     sources = f" {step_times[0]}" if step_times else ""
     return (
         f"Caveat: simulated, not measured — servematrix's engine model of {gpu} in virtual "

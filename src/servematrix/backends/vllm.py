@@ -46,5 +46,5 @@ def identity(cell: Cell) -> dict[str, Any]:
     return {"deployment": plan(cell).fingerprint}
 
 
-def caveat(gpu: str, step_times: list[str]) -> str:
+def caveat(gpu: str, step_times: list[str], profile: str | None) -> str:
     return f"Caveat: measured on the {NAME} backend (one machine, one run per seed)."

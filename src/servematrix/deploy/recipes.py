@@ -29,6 +29,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from servematrix.engine.hardware import DEFAULT_GPU
@@ -146,6 +147,7 @@ EMULATOR_FLAGS = (
     "--modelled-quantization",
     "--jitter-cv",
     "--straggler-probability",
+    "--step-time-profile",
 )
 """Appended for backend ``emulator`` only (see :func:`emulator_flags`): what vLLM learns from
 the GPU and the checkpoint, told to the emulator (the config's architecture, so a model of
@@ -363,6 +365,9 @@ def emulator_flags(cell: Cell) -> list[str]:
     for key in ("jitter_cv", "straggler_probability"):
         if key in engine:
             flags += [f"--{key.replace('_', '-')}", _number(float(engine[key]))]
+    if engine.get("profile"):
+        # Absolute: the emulator runs in the deployment's directory.
+        flags += ["--step-time-profile", str(Path(engine["profile"]).resolve())]
     return flags
 
 

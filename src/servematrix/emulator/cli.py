@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -124,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     emu = parser.add_argument_group("emulator flags (or SERVEMATRIX_EMULATOR_* variables)")
     emu.add_argument("--gpu", default=_env("GPU", DEFAULT_GPU), help="modelled GPU")
     emu.add_argument("--recipe", choices=("v0", "v1"), default=_env("RECIPE", "v1"))
+    emu.add_argument(
+        "--step-time-profile",
+        default=_env("STEP_TIME_PROFILE"),
+        help="a hardware profile file whose terms give the step times (servematrix calibrate)",
+    )
     emu.add_argument(
         "--architecture",
         default=_env("ARCHITECTURE"),
@@ -254,6 +260,7 @@ def engine_setup(args: argparse.Namespace, model: ModelInfo, max_model_len: int)
             jitter_cv=args.jitter_cv,
             straggler_probability=args.straggler_probability,
             model_label=args.model,
+            step_time_profile=args.step_time_profile,
         )
         return setup_of_flags(model.arch, flags)
     except (ModelDoesNotFitError, ValueError, KeyError) as error:
@@ -393,6 +400,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         api_request_ms=setup.host.request_ms,
         vocab_size=setup.arch.vocab_size,
     )
+    # Start-up objects (the step-time tables, the model) leave the collector's generations: a
+    # full collection over them would pause the wall-clock engine mid-run for milliseconds,
+    # enough to split two requests sent together into different steps.
+    gc.collect()
+    gc.freeze()
     try:
         asyncio.run(serve(args, setup, settings))
     except StartupError as error:

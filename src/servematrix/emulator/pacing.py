@@ -37,6 +37,8 @@ class TokenStream:
     due_s: list[float] = field(default_factory=list)
     finished: bool = False
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    scheduled_s: float | None = None
+    """The start of the first step that computed any of it (vLLM's ``scheduled_ts``)."""
 
     async def wait(self, consumed: int) -> None:
         """Wait until more than ``consumed`` tokens are out, or the request has finished."""
@@ -53,6 +55,13 @@ class EngineCounters:
     generation_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    prefill_time_s: float = 0.0
+    """Over finished requests: first token - first scheduled (vLLM's ``request_prefill_time``)."""
+    prefills: int = 0
+    decode_time_s: float = 0.0
+    """Over finished requests: last token - first token (``request_decode_time``)."""
+    finished_generation_tokens: int = 0
+    finished: int = 0
 
 
 class WallClockEngine:
@@ -64,6 +73,7 @@ class WallClockEngine:
         self._ids = itertools.count()
         self._arrivals: list[TokenStream] = []
         self._streams: dict[int, TokenStream] = {}
+        self._unscheduled: list[TokenStream] = []
         self._aborted: list[TokenStream] = []
         self._wake = asyncio.Event()
         # Disaggregated roles (emulator.disagg): a v0 KV producer's copy chain advances only
@@ -165,6 +175,7 @@ class WallClockEngine:
                 start_s = None
                 continue
             result = instance.step()
+            self._mark_scheduled(start_s)
             end_s = start_s + result.duration_s
             if result.num_received and self.receive_hook is not None:
                 end_s = await self.receive_hook(start_s, result)
@@ -186,7 +197,21 @@ class WallClockEngine:
         self._arrivals = [s for s in self._arrivals if s.arrival_s > start_s]
         for stream in sorted(arrived, key=lambda s: s.arrival_s):
             self._streams[stream.request.request_id] = stream
+            self._unscheduled.append(stream)
             self.instance.add_request(stream.request, (start_s - stream.arrival_s) * 1e3)
+
+    def _mark_scheduled(self, start_s: float) -> None:
+        """The requests this step began computing were scheduled at its start."""
+        if not self._unscheduled:
+            return
+        waiting = []
+        for stream in self._unscheduled:
+            request = stream.request
+            if request.num_computed or request.num_generated:
+                stream.scheduled_s = start_s
+            elif not stream.finished:
+                waiting.append(stream)
+        self._unscheduled = waiting
 
     def _release(
         self, emitted: list[Request], finished: list[Request], end_s: float, preempted: int
@@ -208,6 +233,17 @@ class WallClockEngine:
             if stream is not None:
                 stream.finished = True
                 stream.released.set()
+                if stream.due_s:  # vLLM observes a request's histograms when it finishes
+                    self._observe(stream)
+
+    def _observe(self, stream: TokenStream) -> None:
+        counters = self.counters
+        counters.decode_time_s += stream.due_s[-1] - stream.due_s[0]
+        counters.finished_generation_tokens += len(stream.due_s)
+        counters.finished += 1
+        if stream.scheduled_s is not None:
+            counters.prefill_time_s += stream.due_s[0] - stream.scheduled_s
+            counters.prefills += 1
 
     def _apply_aborts(self) -> None:
         for stream in self._aborted:

@@ -153,6 +153,14 @@ class Emulator:
             generation_tokens=counters.generation_tokens,
             preemptions=counters.preemptions,
             prefix_cache=(scheduler.prefix_queries_tokens, scheduler.prefix_hits_tokens),
+            histograms={
+                "vllm:request_prefill_time_seconds": (counters.prefill_time_s, counters.prefills),
+                "vllm:request_decode_time_seconds": (counters.decode_time_s, counters.finished),
+                "vllm:request_generation_tokens": (
+                    counters.finished_generation_tokens,
+                    counters.finished,
+                ),
+            },
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 

@@ -8,6 +8,7 @@ import hashlib
 import json
 import re
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
 VERSIONS = {"v1": "0.33.0", "v0": "0.6.6.post1"}
@@ -216,6 +217,14 @@ METRIC_HELP = {
 }
 """Each series' Prometheus type and help text, as vLLM writes them (counters get ``_total``)."""
 
+HISTOGRAM_HELP = {
+    "vllm:request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
+    "vllm:request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
+    "vllm:request_generation_tokens": "Number of generation tokens processed.",
+}
+"""The request histograms the emulator exports, as sum and count only (one ``+Inf`` bucket):
+what ``servematrix calibrate`` reads of them."""
+
 
 def metrics_text(
     recipe: str,
@@ -228,11 +237,13 @@ def metrics_text(
     generation_tokens: int,
     preemptions: int,
     prefix_cache: tuple[int, int] = (0, 0),
+    histograms: Mapping[str, tuple[float, int]] | None = None,
 ) -> str:
     """Prometheus text of the series the harness reads (§6): 0.33 labels every series with
     ``model_name`` and ``engine="0"``; 0.6 with ``model_name`` only and names KV usage
     ``gpu_cache_usage_perc``. ``prefix_cache`` is (queried, hit) prompt tokens: 0.33's
-    ``prefix_cache_{queries,hits}_total`` (0.6.6 exports only a hit-rate gauge, not emulated)."""
+    ``prefix_cache_{queries,hits}_total`` (0.6.6 exports only a hit-rate gauge, not emulated).
+    ``histograms`` maps names of ``HISTOGRAM_HELP`` to (sum, count)."""
     labels = f'model_name="{model_name}"' + (',engine="0"' if recipe == "v1" else "")
     series: list[tuple[str, float]] = [
         ("vllm:num_requests_running", running),
@@ -265,4 +276,10 @@ def metrics_text(
         lines.append(f"# HELP {sample} {help_text}")
         lines.append(f"# TYPE {sample} {kind}")
         lines.append(f"{sample}{{{labels}}} {float(value)!r}")
+    for name, (total, count) in (histograms or {}).items():
+        lines.append(f"# HELP {name} {HISTOGRAM_HELP[name]}")
+        lines.append(f"# TYPE {name} histogram")
+        lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {float(count)!r}')
+        lines.append(f"{name}_sum{{{labels}}} {float(total)!r}")
+        lines.append(f"{name}_count{{{labels}}} {float(count)!r}")
     return "\n".join(lines) + "\n"

@@ -34,6 +34,7 @@ from servematrix.engine.kvcache import (
     kv_offload,
     plan_kv_memory,
 )
+from servematrix.engine.profile import ProfileError, ProfileStepTime, read_profile, scaled_terms
 from servematrix.engine.roofline import (
     V0_TP_STEP_BROADCAST_MS,
     RooflineStepTime,
@@ -134,6 +135,9 @@ class EngineFlags:
     jitter_cv: float = DEFAULT_JITTER_CV
     straggler_probability: float = DEFAULT_STRAGGLER_PROBABILITY
     model_label: str | None = None
+    step_time_profile: str | None = None
+    """A hardware profile file (``engine.profile``, ``servematrix.engine.profile``) whose terms
+    replace the tables, the roofline and the recipe's host cost."""
 
     @classmethod
     def of_cell(cls, cell: Cell) -> EngineFlags:
@@ -157,6 +161,7 @@ class EngineFlags:
                 engine.get("straggler_probability", DEFAULT_STRAGGLER_PROBABILITY)
             ),
             model_label=f"{cell.model.name} ({cell.model.quantization})",
+            step_time_profile=engine.get("profile"),
         )
 
     def scheduler(self) -> SchedulerConfig:
@@ -282,6 +287,8 @@ def step_time_model(
     (``servematrix.engine.attention``) and the recipe's host-side cost per step
     (``servematrix.engine.host``), for ``flags`` and the scheduler vLLM runs with them (V1's
     largest step under CUDA graphs follows from its seats and token budget)."""
+    if flags.step_time_profile:
+        return profile_step_time(arch, flags)
     graph_max = (
         v1_graph_max_tokens(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
         if flags.recipe == "v1"
@@ -297,6 +304,33 @@ def step_time_model(
         return choice
     label = f"{choice.label} + {flags.recipe} host ({cost.label})"
     return replace(choice, model=WithHostCost(choice.model, cost), label=label)
+
+
+def profile_step_time(arch: Architecture, flags: EngineFlags) -> StepTimeChoice:
+    """The step times of ``flags.step_time_profile``: its terms (scaled to ``arch`` when it was
+    fitted on another architecture), with its API-server cost per request in front. The host's
+    per-step costs are inside its measured terms. ProfileError for a profile of another GPU,
+    TP or quantization: its terms do not carry across those."""
+    path = str(flags.step_time_profile)
+    profile = read_profile(path)
+    source = profile.provenance
+    for field, fitted, wanted in (
+        ("gpu", source.gpu, gpu_spec(flags.gpu).name),
+        ("tensor_parallel", source.tensor_parallel, flags.tensor_parallel),
+        ("quantization", source.quantization, flags.quantization),
+    ):
+        if fitted != wanted:
+            raise ProfileError(
+                path,
+                f"provenance.{field}",
+                f"the profile is of {fitted}, the engine runs {wanted} (a profile's terms do "
+                "not carry across GPUs, TP degrees or quantizations)",
+            )
+    terms, scaling = scaled_terms(profile, arch, path)
+    label = f"profile {path} ({source.method} on {source.gpu}, {source.model}, {source.date}"
+    label += f"; {scaling})" if scaling else ")"
+    cost = HostCost(0.0, 0.0, request_ms=terms.per_request_api_s * 1e3)
+    return StepTimeChoice(WithHostCost(ProfileStepTime(terms), cost), label)
 
 
 def _gpu_step_time_model(

@@ -159,8 +159,9 @@ def write_findings(
 ) -> None:
     """One findings job (rules/report.smk): the study's findings as Markdown (``outputs["md"]``)
     and HTML (``"html"``), its Recommendation as JSON for the front page (``"json"``).
-    ``study`` holds its title, x, slo (described), gpu, backend and question (None: derived);
-    ``capacity_paths`` its capacity table, when there is an SLO to search against."""
+    ``study`` holds its title, x, slo (described), gpu, profile (the engine's hardware profile,
+    "" for none), backend and question (None: derived); ``capacity_paths`` its capacity
+    table, when there is an SLO to search against."""
     summary = pl.read_parquet(summary_path)
     capacity = pl.read_parquet(capacity_paths[0]) if capacity_paths else None
     step_times = []
@@ -171,7 +172,8 @@ def write_findings(
             step_times = steptimes.step_time_sentences(steptimes.group_setups(cells))
         except trace.TraceError:  # a trace from before step-time sources were recorded
             step_times = []
-    context = Context(study["slo"], backend.caveat(study["gpu"], step_times), study.get("question"))
+    caveat = backend.caveat(study["gpu"], step_times, study.get("profile") or None)
+    context = Context(study["slo"], caveat, study.get("question"))
     findings = study_findings(summary, study["title"], study["x"], capacity, context)
     write_text(outputs["md"], to_markdown(findings))
     write_text(outputs["html"], to_html(findings))

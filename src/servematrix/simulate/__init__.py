@@ -208,6 +208,7 @@ def _parameters(
         "quantization": cell.model.quantization,
         "step_time_model": type(setup.step_time).__name__,
         "step_time_source": setup.step_time_label,
+        "step_time_profile": cell.engine.get("profile"),
         "step_time_fallback": setup.step_time_fallback_record,
         "enforce_eager": cell.serving.enforce_eager,
         "scheduler": asdict(setup.scheduler),

@@ -1,0 +1,291 @@
+"""Calibration (issue 44): the fit recovers known terms from noisy probes with outliers, refuses
+what cannot determine them, the probes' timings become the right rows, and a profile file is
+read back, refused with one line naming its field, and used by the engine and the simulator."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from servematrix import cli, config, steptimes
+from servematrix.backends import backend_of
+from servematrix.calibration.fit import FitError, fit_terms
+from servematrix.calibration.probes import (
+    Observation,
+    Probe,
+    Stream,
+    design,
+    observations,
+    parse_metrics,
+    server_observations,
+)
+from servematrix.cell import run_cell
+from servematrix.config import load, read_yaml
+from servematrix.deploy.recipes import emulator_flags
+from servematrix.engine.profile import (
+    TERMS,
+    ProfileError,
+    ProfileTerms,
+    Provenance,
+    StepTimeProfile,
+    read_profile,
+    write_profile,
+)
+from servematrix.engine.setup import build_engine_setup
+from servematrix.engine.steptime import StepBatch
+from tests.conftest import ROOT, SMALL_CONFIG
+
+TRUE = ProfileTerms(0.012, 6e-5, 4e-5, 9e-8, 0.004)
+L40S_PROFILE = ROOT / "config" / "profiles" / "l40s-qwen2.5-7b.yaml"
+
+
+def synthetic(rng: np.random.Generator, noise: float = 0.02) -> list[Observation]:
+    """Rows of the probe set's shapes, timed by ``TRUE`` with relative noise."""
+    rows = []
+    for n in (128, 512, 1024, 2048):
+        rows.append(Observation("p", "ttft", 0.0, n, 1, 0, 1))
+        rows.append(Observation("p", "itl", 0.0, 0, 1, n))
+    for b in (1, 4, 16, 32):
+        for c in (256, 1024):
+            rows.append(Observation("d", "itl", 0.0, 0, b, b * c))
+    rows.append(Observation("m", "mixed step", 0.0, 1024, 9, 8 * 512))
+    rows *= 3
+    return [
+        replace(
+            o,
+            seconds=float(
+                np.dot(o.features(), TRUE.vector()) * (1 + noise * rng.standard_normal())
+            ),
+        )
+        for o in rows
+    ]
+
+
+def test_the_fit_recovers_known_terms_despite_noise_and_outliers():
+    rng = np.random.default_rng(7)
+    rows = synthetic(rng)
+    for i in (3, 17, 40):  # stragglers: a step three times as long
+        rows[i] = replace(rows[i], seconds=rows[i].seconds * 3)
+    fit = fit_terms(rows)
+    for name, got, want, err in zip(
+        TERMS, fit.terms.vector(), TRUE.vector(), fit.stderr.vector(), strict=True
+    ):
+        assert err > 0, name
+        assert abs(got - want) <= max(4 * err, 0.05 * want), (name, got, want, err)
+    assert fit.residuals.outliers >= 3
+    assert fit.residuals.median_abs_relative < 0.03
+
+
+def test_the_fit_keeps_terms_non_negative():
+    rows = [
+        replace(o, seconds=o.seconds - 0.0039 * o.api_requests)
+        for o in synthetic(np.random.default_rng(1), noise=0.05)
+    ]
+    fit = fit_terms(rows)
+    assert min(fit.terms.vector()) >= 0
+
+
+def test_too_few_probes_are_refused_with_a_clear_message():
+    rows = synthetic(np.random.default_rng(0))[:6]
+    with pytest.raises(FitError, match=r"6 observations for 5 terms: the fit needs at least 10"):
+        fit_terms(rows)
+
+
+def test_probes_that_do_not_separate_a_term_are_named():
+    rows = [
+        o for o in synthetic(np.random.default_rng(0)) if o.sequences in (0, 1) or o.api_requests
+    ]
+    rows = [o for o in rows if o.quantity != "mixed step"]
+    with pytest.raises(FitError, match=r"per_sequence_s.*decode probes at two or more batch sizes"):
+        fit_terms(rows)
+
+
+def test_the_design_is_short_and_bounded_by_the_server():
+    probes = design(4096)
+    assert {p.kind for p in probes} == {"prefill", "decode", "mixed"}
+    assert len(probes) <= 16
+    small = design(600, max_num_seqs=8)
+    assert all(p.prompt_tokens + p.output_tokens <= 600 and p.concurrency <= 8 for p in small)
+
+
+def test_a_decode_probe_times_the_steps_all_requests_share():
+    # Three requests, first tokens at 1.0-1.2 s, then a step every 10 ms.
+    streams = [
+        Stream(0.0, tuple([1.0 + 0.1 * i] + [1.2 + 0.01 * k for k in range(1, 30)]))
+        for i in range(3)
+    ]
+    (row,) = observations(Probe("decode", 256, 3, 30), streams)
+    assert row.seconds == pytest.approx(0.01)
+    assert row.sequences == 3 and row.prefill_tokens == 0
+    assert 3 * 256 < row.kv_tokens_read < 3 * (256 + 30)
+
+
+def test_tokens_the_client_read_together_still_time_the_step():
+    """Two tokens per read (a busy client): gaps of 0 and 20 ms average to the 10 ms step."""
+    times = tuple(0.05 + 0.02 * (k // 2) for k in range(1, 17))
+    _, itl = observations(Probe("prefill", 512, 1, 16), [Stream(0.0, times)])
+    assert itl.seconds == pytest.approx(0.01, rel=0.1)
+
+
+def test_a_prefill_probe_gives_ttft_with_the_api_and_a_decode_step():
+    stream = Stream(0.0, (0.05, 0.06, 0.07, 0.08))
+    ttft, itl = observations(Probe("prefill", 512, 1, 4), [stream])
+    assert ttft.features() == (1.0, 512, 1, 0, 1) and ttft.seconds == pytest.approx(0.05)
+    assert itl.seconds == pytest.approx(0.01) and itl.api_requests == 0
+
+
+def test_server_histograms_add_the_servers_own_rows():
+    text = """# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_sum{model_name="m",engine="0"} %s
+vllm:request_prefill_time_seconds_count{model_name="m",engine="0"} %s
+vllm:request_decode_time_seconds_sum{model_name="m",engine="0"} %s
+vllm:request_decode_time_seconds_count{model_name="m",engine="0"} %s
+vllm:request_generation_tokens_sum{model_name="m",engine="0"} %s
+vllm:request_generation_tokens_count{model_name="m",engine="0"} %s
+"""
+    before = parse_metrics(text % (1.0, 10, 5.0, 10, 100, 10))
+    after = parse_metrics(text % (1.05, 11, 5.07, 11, 108, 11))
+    rows = server_observations(Probe("prefill", 512, 1, 8), before, after, 516.0)
+    assert [r.quantity for r in rows] == ["server prefill", "server decode step"]
+    assert rows[0].seconds == pytest.approx(0.05) and rows[0].api_requests == 0
+    assert rows[1].seconds == pytest.approx(0.01)
+    assert server_observations(Probe("prefill", 512, 1, 8), {}, {}, 0.0) == []
+
+
+def profile(tmp_path: Path, **provenance) -> Path:
+    fields = dict(
+        method="fitted",
+        gpu="L40S-48GB",
+        architecture="qwen2.5-7b",
+        quantization="bf16",
+        tensor_parallel=1,
+        model="m",
+        date="2026-12-06",
+    )
+    path = tmp_path / "p.yaml"
+    write_profile(StepTimeProfile(TRUE, Provenance(**{**fields, **provenance}), TRUE), path)
+    return path
+
+
+def test_a_profile_is_read_back_as_written(tmp_path):
+    path = profile(tmp_path, references=("a source",))
+    back = read_profile(path)
+    assert (
+        back.terms == TRUE and back.stderr == TRUE and back.provenance.references == ("a source",)
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda t: t.replace("per_step_s: 0.012", "per_step_s: fast"),
+            r"terms\.per_step_s: must be a number",
+        ),
+        (
+            lambda t: t.replace("per_step_s: 0.012", "per_step_s: -1"),
+            r"terms\.per_step_s: must be finite and >= 0",
+        ),
+        (lambda t: t.replace("  gpu: L40S-48GB\n", ""), r"provenance: missing field\(s\) 'gpu'"),
+        (lambda t: t.replace("method: fitted", "method: guessed"), r"provenance\.method"),
+        (lambda t: "[1, 2", r"file: not YAML"),
+    ],
+)
+def test_a_malformed_profile_is_one_line_naming_the_file_and_field(tmp_path, edit, message):
+    path = profile(tmp_path)
+    path.write_text(edit(path.read_text()))
+    with pytest.raises(ProfileError, match=message) as error:
+        read_profile(path)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def setup_of(path, arch="qwen2.5-7b", **flags):
+    base = dict(
+        quantization="bf16",
+        tensor_parallel=1,
+        recipe="v1",
+        chunked_prefill=None,
+        max_model_len=4096,
+        gpu_memory_utilization=0.9,
+        gpu="L40S-48GB",
+        step_time_profile=str(path),
+    )
+    return build_engine_setup(arch, **{**base, **flags})
+
+
+def test_the_engine_takes_the_profiles_terms_and_api_cost(tmp_path):
+    setup = setup_of(profile(tmp_path))
+    batch = StepBatch(prefill_chunks=((100, 50),), decode_contexts=(300, 400))
+    want = 0.012 + 6e-5 * 100 + 4e-5 * 3 + 9e-8 * (50 + 700)
+    assert setup.step_time.step_ms(batch) == pytest.approx(want * 1e3)
+    assert setup.host.request_ms == pytest.approx(4.0)
+    assert setup.step_time_label.startswith(f"profile {tmp_path / 'p.yaml'} (fitted on L40S-48GB")
+    assert setup.step_time_fallback is None
+
+
+def test_another_architecture_scales_the_terms_and_says_so(tmp_path):
+    setup = setup_of(profile(tmp_path), arch="qwen2.5-3b")
+    assert "scaled from qwen2.5-7b to qwen2.5-3b" in setup.step_time_label
+    decode = StepBatch(decode_contexts=(100,))
+    assert setup.step_time.step_ms(decode) < setup_of(profile(tmp_path)).step_time.step_ms(decode)
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [({"gpu": "A10-24GB"}, "gpu"), ({"tensor_parallel": 2}, "tensor_parallel")],
+)
+def test_a_profile_of_other_hardware_is_refused(tmp_path, flags, field):
+    with pytest.raises(ProfileError, match=rf"provenance\.{field}: the profile is of"):
+        setup_of(profile(tmp_path), **flags)
+
+
+def test_the_simulator_runs_an_l40s_study_from_the_hand_written_profile(tmp_path, monkeypatch):
+    """A GPU without measured tables, configured with a profile written from published
+    numbers: the cells' step times come from it, and the step-time sources and caveat say so."""
+    monkeypatch.chdir(ROOT)
+    raw = read_yaml(ROOT / "config" / "examples" / "l40s-profile.yaml")
+    raw["defaults"]["num_prompts"] = 12
+    cfg = load(raw)
+    paths = []
+    for i, cell in enumerate(cfg.all_cells()):
+        path = tmp_path / f"{i}.parquet"
+        run_cell(cell, path)
+        paths.append(path)
+    setups = steptimes.group_setups(steptimes.cell_step_times(p) for p in paths)
+    assert {s.profile for s in setups} == {"config/profiles/l40s-qwen2.5-7b.yaml"}
+    sentences = steptimes.step_time_sentences(setups)
+    assert "hardware profile config/profiles/l40s-qwen2.5-7b.yaml" in sentences[0]
+    assert any("scaled from qwen2.5-7b to qwen2.5-3b" in s for s in sentences)
+    assert "hardware profile" in backend_of("simulator").caveat("L40S-48GB", sentences, None)
+    assert read_profile(L40S_PROFILE).provenance.method == "hand-written"
+
+
+def test_a_config_whose_model_the_profile_is_not_of_is_refused_by_check(tmp_path, capsys):
+    """A profile of the L40S and bf16 named by a study of an A100 and int4: one line naming
+    ``engine.profile`` and the field, before any job runs."""
+    cfg = copy.deepcopy(SMALL_CONFIG)
+    cfg["engine"] = {"gpu": "A100-SXM4-80GB", "profile": str(L40S_PROFILE)}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    assert cli.main(["check", str(path)]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "engine.profile" in line and "provenance.gpu: the profile is of L40S-48GB" in line
+
+
+def test_an_emulator_deployment_passes_the_profile_as_an_absolute_path(default_config):
+    raw = {**default_config, "backend": "emulator", "engine": {"profile": "p/x.yaml"}}
+    cell = config.load(raw).all_cells()[0]
+    flags = emulator_flags(cell)
+    assert flags[flags.index("--step-time-profile") + 1] == str(Path("p/x.yaml").resolve())
+
+
+def test_the_emulators_caveat_names_its_profile():
+    assert "step times from the hardware profile p.yaml" in backend_of("emulator").caveat(
+        "L40S-48GB", [], "p.yaml"
+    )
+    assert "profile" not in backend_of("emulator").caveat("L40S-48GB", [], None)
