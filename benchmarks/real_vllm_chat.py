@@ -36,14 +36,17 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
+from typing import Any, TypeVar
 
 import aiohttp
 
 from servematrix.vllmcpu import env
+
+T = TypeVar("T")
 
 CHAT_TEMPLATE = """\
 {%- if messages[0].role == 'system' %}
@@ -211,11 +214,13 @@ def main() -> None:
         for _ in range(args.repeat):
             for kind in ("completions", "chat"):
                 texts = prompts(rng, args.requests)
-                wall, cpu = asyncio.run(_burst(base, model, server.pid, kind, texts))
+                wall, cpu = run_until_sigterm(_burst(base, model, server.pid, kind, texts))
                 per_request = cpu / args.requests * 1e3
                 print(f"{kind:12s}  {wall:6.2f}  {cpu:16.2f}  {per_request:10.2f}", flush=True)
         for kind in ("completions", "chat"):
-            streams = asyncio.run(_one_by_one(base, model, kind, prompts(rng, args.one_by_one)))
+            streams = run_until_sigterm(
+                _one_by_one(base, model, kind, prompts(rng, args.one_by_one))
+            )
             shapes.append(stream_shape(kind, streams))
     finally:
         stop_group(server)
@@ -229,8 +234,30 @@ def main() -> None:
 def exit_on_sigterm() -> None:
     """Turn SIGTERM into ``SystemExit``, as Ctrl-C is ``KeyboardInterrupt``: a benchmark killed
     either way runs its ``finally`` and stops the vLLM it started (by default SIGTERM ends the
-    interpreter at once and leaves vLLM's three processes running)."""
+    interpreter at once and leaves vLLM's three processes running). Coroutines run through
+    `run_until_sigterm`, which a SIGTERM cancels cleanly."""
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
+def run_until_sigterm(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(coro)``, a SIGTERM cancelling it from the event loop and then exiting as
+    `exit_on_sigterm` does. A ``SystemExit`` raised by the plain handler at an arbitrary point
+    of the loop (inside aiohttp's or asyncio's own callbacks) can leave the loop's shutdown
+    waiting on transports that never close: a SIGTERM once hung a benchmark past 90 s."""
+
+    async def cancellable() -> T:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        try:
+            return await coro
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+            exit_on_sigterm()  # remove_signal_handler put back the default, which exits at once
+
+    try:
+        return asyncio.run(cancellable())
+    except asyncio.CancelledError:
+        sys.exit(128 + signal.SIGTERM)
 
 
 def stop_group(server: subprocess.Popen, timeout_s: float = 30.0) -> None:

@@ -53,6 +53,7 @@ from real_vllm_chat import (
     free_port,
     prompts,
     request,
+    run_until_sigterm,
     stop_group,
     wait_healthy,
 )
@@ -234,13 +235,15 @@ def measure(version: str, python: Path, model: str, args: argparse.Namespace) ->
         rng = random.Random(0)
         for kind in ("completions", "chat"):
             cpu = [
-                asyncio.run(_burst_cpu_ms(base, model, kind, _prompts(rng, args.burst), server.pid))
+                run_until_sigterm(
+                    _burst_cpu_ms(base, model, kind, _prompts(rng, args.burst), server.pid)
+                )
                 for _ in range(2)
             ]
             cells = [f"{statistics.fmean(cpu):8.2f}"]
             for cap in (1, 4):
                 runs = [
-                    asyncio.run(_paced(base, model, kind, _prompts(rng, args.requests), cap))
+                    run_until_sigterm(_paced(base, model, kind, _prompts(rng, args.requests), cap))
                     for _ in range(args.repeat)
                 ]
                 by_api_path = sorted(runs, key=lambda run: run[0] - run[1])

@@ -147,6 +147,20 @@ def test_deploy_takes_a_configfile_and_config_overrides(tmp_path, small_config, 
     assert capsys.readouterr().out.startswith("# emulator deployment")
 
 
+def test_deploy_refuses_a_backend_no_module_serves(tmp_path, small_config, capsys):
+    """A misspelt backend is one line naming the key and the registry's choices, not a silent
+    fall-back to vllm's commands."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**small_config, "backend": "tgi"}))
+    model = next(iter(small_config["models"]))
+    assert cli.main(["deploy", "--dry-run", model, "single", "--configfile", str(path)]) != 0
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "servematrix: config error at backend: 'tgi' is not one of "
+        "['simulator', 'emulator', 'vllm', 'external']"
+    )
+
+
 @pytest.mark.parametrize("command", [[], ["check"], ["metrics"], ["deploy"], ["bench"]])
 def test_help_is_plain_text(command, capsys):
     with pytest.raises(SystemExit):

@@ -5,8 +5,10 @@ installed or started fails the tier."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import signal
 import subprocess
 import sys
 import uuid
@@ -117,6 +119,16 @@ def marked_processes(mark: str) -> list[str]:
             continue
         if stat.rsplit(") ", 1)[1][0] != "Z":
             found.append(f"{proc.name} {stat.split(' (', 1)[1].rsplit(') ', 1)[0]}")
+    return found
+
+
+def kill_marked(mark: str) -> list[str]:
+    """SIGKILL the live processes carrying ``mark`` (so a failed test leaves no vLLM behind
+    for the next); what was found still running."""
+    found = marked_processes(mark)
+    for line in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
     return found
 
 

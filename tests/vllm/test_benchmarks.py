@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.vllm.conftest import MARK, marked_env, marked_processes
+from tests.vllm.conftest import MARK, kill_marked, marked_env, marked_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ("--requests", "40", "--repeat", "1")
@@ -74,8 +74,9 @@ def test_a_benchmark_stopped_with_sigterm_stops_the_vllm_it_started(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+        left = kill_marked(env[MARK])
     assert proc.returncode == 128 + signal.SIGTERM
-    assert marked_processes(env[MARK]) == []
+    assert left == []
 
 
 def test_real_vllm_versions_measures_both_endpoints_and_stops_vllm():

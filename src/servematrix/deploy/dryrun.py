@@ -71,6 +71,7 @@ def format_plan(deployment: Plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from servematrix.backends import check
     from servematrix.workflow import merged, parse_overrides
 
     path = args.configfile
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         local = Path("config/config.yaml")
         path = local if local.is_file() else config.SCHEMA_PATH.parent / "config.yaml"
     cfg = config.load(merged(config.read_yaml(path), parse_overrides(args.overrides)))
+    check(cfg.backend)
     if args.recipe is not None and args.recipe not in RECIPES:
         raise ConfigError("--recipe", f"unknown recipe {args.recipe!r} (known: v0, v1)")
     cell = find_cell(cfg, args.model, args.mode, args.recipe)
