@@ -28,6 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from real_vllm_chat import free_port
 
 from servematrix.calibration.probes import Probe
 from servematrix.calibration.run import Settings, probe_server
@@ -36,12 +37,6 @@ from servematrix.engine.profile import TERMS, read_profile
 SERVED = "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4"
 BIN = Path(sys.executable).parent
 HELD_OUT = [Probe("prefill", 768, 1, 8), Probe("decode", 512, 8, 32)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_listening(port: int, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
