@@ -32,6 +32,7 @@ from real_vllm_chat import free_port
 
 from servematrix.calibration.probes import Probe
 from servematrix.calibration.run import Settings, probe_server
+from servematrix.engine.architecture import load_architecture
 from servematrix.engine.profile import TERMS, read_profile
 
 SERVED = "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4"
@@ -55,7 +56,8 @@ def wait_listening(port: int, process: subprocess.Popen, timeout_s: float = 60.0
 def held_out_medians(url: str, repeats: int) -> dict[tuple[str, str], tuple[float, tuple]]:
     """Median seconds of each held-out probe's quantity over ``repeats`` runs, with its
     features (the model's row)."""
-    _, rows = asyncio.run(probe_server(Settings(url, SERVED, repeats, 99), HELD_OUT, print))
+    settings = Settings(url, SERVED, load_architecture("qwen2.5-7b").vocab_size, repeats, 99)
+    _, rows = asyncio.run(probe_server(settings, HELD_OUT, print))
     groups = defaultdict(list)
     for row in rows:
         groups[(row.probe, row.quantity)].append(row)

@@ -125,6 +125,16 @@ def test_a_decode_probe_times_the_steps_all_requests_share():
     assert 3 * 256 < row.kv_tokens_read < 3 * (256 + 30)
 
 
+def test_a_stream_read_all_at_once_in_the_shared_window_gives_no_step():
+    """Real vLLM's API server hands a busy batch's tokens over together: a stream whose tokens
+    in the shared window arrived in one read times no step (it would be 0 s), the others do."""
+    together = Stream(0.0, (1.0, 1.5, 1.5, 1.5, 1.5))
+    paced = Stream(0.0, (1.1, 1.2, 1.3, 1.4, 1.5))
+    (row,) = observations(Probe("decode", 256, 2, 5), [together, paced])
+    assert row.seconds == pytest.approx(0.1)
+    assert observations(Probe("decode", 256, 1, 3), [Stream(0.0, (1.0, 1.0, 1.0))]) == []
+
+
 def test_tokens_the_client_read_together_still_time_the_step():
     """Two tokens per read (a busy client): gaps of 0 and 20 ms average to the 10 ms step."""
     times = tuple(0.05 + 0.02 * (k // 2) for k in range(1, 17))

@@ -21,6 +21,7 @@ import pytest
 
 from servematrix.calibration.probes import Probe
 from servematrix.calibration.run import Settings, probe_server
+from servematrix.engine.architecture import load_architecture
 from servematrix.engine.profile import read_profile
 from tests.conftest import SMALL_CONFIG
 from tests.test_emulator_e2e import emulator
@@ -61,7 +62,8 @@ def calibrate(url: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
 
 def measured_medians(url: str) -> dict[tuple[str, str], tuple[float, tuple[float, ...]]]:
     """Median time of each held-out probe's rows over three runs, with its features."""
-    settings = Settings(url, SERVED, repeats=3, seed=99)
+    vocab_size = load_architecture("qwen2.5-7b").vocab_size
+    settings = Settings(url, SERVED, vocab_size, repeats=3, seed=99)
     _, rows = asyncio.run(probe_server(settings, HELD_OUT, lambda line: None))
     groups = defaultdict(list)
     for row in rows:

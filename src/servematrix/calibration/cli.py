@@ -81,16 +81,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def calibrate(args: argparse.Namespace) -> StepTimeProfile:
-    architecture = load_architecture(args.architecture or args.model).name
+    spec = load_architecture(args.architecture or args.model)
+    architecture = spec.name
     if args.repeats < 1 or args.tensor_parallel < 1:
         raise ValueError("--repeats and --tensor-parallel must be at least 1")
     problem = unwritable(args.out)
     if problem:
         raise ValueError(f"cannot write {args.out}: {problem}")
     probes = design(args.max_model_len, args.max_num_seqs)
-    settings = Settings(
-        args.url.rstrip("/").removesuffix("/v1"), args.model, args.repeats, args.seed
-    )
+    base_url = args.url.rstrip("/").removesuffix("/v1")
+    settings = Settings(base_url, args.model, spec.vocab_size, args.repeats, args.seed)
     info, rows = asyncio.run(probe_server(settings, probes, _progress))
     fit = fit_terms(rows)
     provenance = _provenance(args, architecture, info, len(probes) * args.repeats)

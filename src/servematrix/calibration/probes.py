@@ -108,9 +108,12 @@ def design(max_model_len: int, max_num_seqs: int = 256) -> list[Probe]:
 def _step_s(stream: Stream, start: float, end: float) -> float | None:
     """The mean gap between the stream's tokens within [start, end]: the span over the gaps,
     not their median, so tokens the client read together (one gap near zero, the next twice
-    as long) still average to the step (None: fewer than two tokens in the window)."""
+    as long) still average to the step (None: fewer than two tokens in the window, or all of
+    them read at once, as real vLLM's API server hands a busy batch's tokens over together)."""
     times = [t for t in stream.token_s if start <= t <= end]
-    return (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 2 else None
+    if len(times) < 2 or times[-1] <= times[0]:
+        return None
+    return (times[-1] - times[0]) / (len(times) - 1)
 
 
 def observations(

@@ -27,8 +27,8 @@ from servematrix.calibration.probes import (
 from servematrix.senders import AiohttpSender, client_session
 from servematrix.sse import HTTPStatusError, StreamParser
 
-PROMPT_ID_LIMIT = 30000
-"""Prompt ids are drawn below this: every tokenizer of the models studied has more."""
+PROMPT_ID_FIRST = 1000
+"""Prompt ids are drawn from here up to the vocabulary's end (special and byte tokens below)."""
 MIXED_LATE_AFTER_TOKENS = 4
 """A mixed probe's newcomer is sent once every decoder has streamed this many tokens."""
 
@@ -49,6 +49,8 @@ class Settings:
     base_url: str
     """``http://host:port`` (no ``/v1``)."""
     model: str
+    vocab_size: int
+    """The model's vocabulary: a prompt id beyond it is refused (vLLM: "out of vocabulary")."""
     repeats: int = 3
     seed: int = 0
     request_timeout_s: float = 300.0
@@ -62,7 +64,9 @@ class _Client:
         self.rng = random.Random(settings.seed)
 
     def body(self, prompt_tokens: int, output_tokens: int) -> bytes:
-        prompt = [self.rng.randrange(1000, PROMPT_ID_LIMIT) for _ in range(prompt_tokens)]
+        vocab = self.settings.vocab_size
+        first = min(PROMPT_ID_FIRST, vocab // 2)
+        prompt = [self.rng.randrange(first, vocab) for _ in range(prompt_tokens)]
         return json.dumps(
             {
                 "model": self.settings.model,
