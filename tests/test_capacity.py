@@ -186,3 +186,18 @@ def test_a_sessions_capacity_is_in_concurrent_sessions(small_config, tmp_path, m
     # turns lives at least its two think times (mean 2 s each, exponential).
     assert concurrent > level * 2.0
     assert document["requests_per_s"] == pytest.approx(3 * level, rel=0.15)
+
+
+def test_the_ledger_predicts_each_deployment_from_the_others_only():
+    rows = [
+        capacity.LedgerRow(10.0, 8.0, 7.5, 9.0),  # measured 1.25x the simulator
+        capacity.LedgerRow(8.0, 10.0),  # 0.8x
+        capacity.LedgerRow(5.0, 5.0),  # 1.0x
+        capacity.LedgerRow(3.0),  # not simulated first
+    ]
+    ranges = capacity.predicted_ranges(rows)
+    assert ranges[0] == pytest.approx((7.5 * 0.8, 9.0 * 1.0))  # its own 1.25 held out
+    assert ranges[1] == pytest.approx((10.0 * 1.0, 10.0 * 1.25))
+    assert ranges[2] == pytest.approx((5.0 * 0.8, 5.0 * 1.25))
+    assert ranges[3] is None
+    assert capacity.predicted_ranges([capacity.LedgerRow(10.0, 8.0)]) == [None]

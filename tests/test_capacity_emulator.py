@@ -4,6 +4,7 @@ injected fault), then ranked as the findings rank them."""
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -102,3 +103,35 @@ def test_a_probe_whose_requests_all_failed_breaks_the_slo_a_cell_fails(tmp_path,
     assert not Path(cell.path).exists()
     verdict = steady.judge(capacity_run.run_probe(cell), cfg.slo, tail_requests=2)
     assert not verdict.met and Path(cell.path).is_file()
+
+
+def test_a_measured_search_starts_from_its_twin_and_keeps_it_in_the_ledger(tmp_path, monkeypatch):
+    """The capacity job on the emulator reads the simulator twin's document for the same
+    deployment, starts its search there, and keeps the twin's capacity: the study table then
+    holds the error ledger, each deployment's predicted range made from the other's error."""
+    monkeypatch.chdir(tmp_path)
+    raw = _config()
+    measured, twin = config.load(raw), config.load({**raw, "backend": "simulator"})
+    pairs = zip(
+        capacity_run.deployments(twin.studies["s"].cells).items(),
+        capacity_run.deployments(measured.studies["s"].cells).items(),
+        strict=True,
+    )
+    paths, twins = [], []
+    for (twin_path, twin_cells), (path, cells) in pairs:
+        predicted = capacity_run.search_deployment(twin_cells, twin.slo, twin.raw["capacity"])
+        capacity_run.write_deployment(predicted, twin_path)
+        cells_json = json.dumps([c.to_dict() for c in cells])
+        capacity_run.capacity_job(cells_json, SLO, measured.raw["capacity"], [twin_path], path)
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+        assert document["started_from"] == "simulator"
+        assert document["simulated_capacity_level"] == predicted["capacity_level"]
+        paths.append(path)
+        twins.append(predicted)
+    table = capacity_run.study_table(paths).sort("model")
+    for row, predicted in zip(
+        table.to_dicts(), sorted(twins, key=lambda d: d["model"]), strict=True
+    ):
+        assert row["simulated_capacity_per_gpu"] == predicted["capacity_per_gpu"] > 0
+        assert row["capacity_per_gpu"] > 0
+        assert row["predicted_lo_per_gpu"] <= row["predicted_hi_per_gpu"]

@@ -757,3 +757,51 @@ def test_the_question_is_derived_from_what_varies(varies, question) -> None:
     )
     assert study_question(table) == question
     assert study_question(table, "input_len") == "input_len"
+
+
+def _ledger_row(mode: str, measured: float, simulated: float, lo=None, hi=None) -> dict:
+    """A measured deployment's capacity row with its simulator twin's prediction (per GPU; 1
+    GPU, so per GPU is the capacity)."""
+    return capacity_row(
+        "m", mode, measured, gpus=1, simulated_capacity_per_gpu=simulated,
+        predicted_lo_per_gpu=lo, predicted_hi_per_gpu=hi,
+    )  # fmt: skip
+
+
+def test_measuring_that_changes_the_winner_says_so_and_the_ledger_is_shown() -> None:
+    capacity = pl.DataFrame(
+        [
+            _ledger_row("chunked", 10.0, 8.0, 7.0, 9.5),
+            _ledger_row("nondisagg", 8.0, 12.0, 6.5, 8.0),
+        ]
+    )
+    context = Context("P99 TTFT ≤ 2000 ms", "Measured on the emulator.")
+    summary = pl.DataFrame([cell("m", mode, 2, 100.0) for mode in ("chunked", "nondisagg")])
+    result = study_findings(summary, "t", "qps", capacity, context)
+    assert (
+        "Measuring changed the answer: the simulator ranked nondisagg first (12 req/s per GPU "
+        "predicted, 8 measured); measured, chunked carries the most (10; predicted 8)."
+    ) in result.sections[0].sentences
+    detail = result.sections[1]
+    assert detail.sentences[1] == (
+        "Measured capacity was 0.67–1.25× the simulator's over the 2 deployments; 1 of 2 "
+        "inside the range the simulator predicted from the others."
+    )
+    assert detail.tables[0].header[-2:] == ["simulated per GPU", "predicted from the others"]
+    assert detail.tables[0].rows[0][-2:] == ["8", "[7, 9.5]"]
+
+
+def test_measuring_that_keeps_the_winner_or_a_simulated_table_says_nothing_of_it() -> None:
+    context = Context("P99 TTFT ≤ 2000 ms", "Caveat.")
+    summary = pl.DataFrame([cell("m", mode, 2, 100.0) for mode in ("chunked", "nondisagg")])
+    kept = pl.DataFrame([_ledger_row("chunked", 10.0, 12.0), _ledger_row("nondisagg", 8.0, 9.0)])
+    simulated = pl.DataFrame(
+        [capacity_row("m", "chunked", 10.0), capacity_row("m", "nondisagg", 8.0)]
+    )
+    for capacity in (kept, simulated):
+        result = study_findings(summary, "t", "qps", capacity, context)
+        assert not any("Measuring changed" in s for s in result.sections[0].sentences)
+    assert (
+        "simulated per GPU"
+        not in study_findings(summary, "t", "qps", simulated, context).sections[1].tables[0].header
+    )

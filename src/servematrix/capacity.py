@@ -148,6 +148,43 @@ def capacity_interval(searches: Iterable[Search]) -> Interval:
     return t_interval(s.capacity for s in searches)
 
 
+@dataclass(frozen=True)
+class LedgerRow:
+    """One deployment of a measured study in the error ledger: the capacity per GPU measured,
+    and the simulator twin's for the same deployment with its interval (``None`` when the
+    deployment was not simulated first)."""
+
+    measured: float
+    simulated: float | None = None
+    simulated_lo: float | None = None
+    simulated_hi: float | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """Measured over simulated: how far the simulator was off for this deployment."""
+        if not self.simulated or not self.measured:
+            return None
+        return self.measured / self.simulated
+
+
+def predicted_ranges(rows: list[LedgerRow]) -> list[tuple[float, float] | None]:
+    """Per deployment, the capacity a user would read from the simulator alone: its interval
+    (the sampling part) scaled by the ledger's error, the lowest and highest measured/simulated
+    ratio of the study's *other* deployments (held out, so a deployment's own measurement never
+    predicts it). None without a simulated capacity or another deployment's ratio."""
+    ratios = [row.ratio for row in rows]
+    ranges: list[tuple[float, float] | None] = []
+    for i, row in enumerate(rows):
+        others = [r for j, r in enumerate(ratios) if j != i and r is not None]
+        if row.simulated is None or not others:
+            ranges.append(None)
+            continue
+        lo = row.simulated if row.simulated_lo is None else row.simulated_lo
+        hi = row.simulated if row.simulated_hi is None else row.simulated_hi
+        ranges.append((lo * min(others), hi * max(others)))
+    return ranges
+
+
 def cost_per_million_tokens(gpu_hour_usd: float, gpus: int, output_tokens_per_s: float) -> float:
     """What a million output tokens cost at this throughput (all GPUs of the deployment paid)."""
     if output_tokens_per_s <= 0:

@@ -304,12 +304,26 @@ def capacity_job(
     and `capacity`; on a measured run ``simulated`` holds the simulator twin's capacity document
     for the deployment, and the search starts from it."""
     cells = [Cell.from_dict(data) for data in json.loads(cells_json)]
-    hint = None
+    twin = None
     if simulated:
         with open(simulated[0], encoding="utf-8") as document:
-            hint = json.load(document)["capacity_level"] or None
+            twin = json.load(document)
+    hint = (twin["capacity_level"] or None) if twin else None
     document = search_deployment(cells, Slo.from_config(slo_config), settings, hint)
+    if twin:
+        document.update(simulated_fields(twin))
     write_deployment(document, output)
+
+
+def simulated_fields(twin: Mapping[str, Any]) -> dict[str, float]:
+    """The simulator twin's capacity per GPU and its interval, kept in the measured document:
+    the deployment's row of the error ledger (`capacity.LedgerRow`)."""
+    gpus = twin["gpus"]
+    return {
+        "simulated_capacity_per_gpu": twin["capacity_per_gpu"],
+        "simulated_capacity_lo_per_gpu": twin["capacity_lo"] / gpus,
+        "simulated_capacity_hi_per_gpu": twin["capacity_hi"] / gpus,
+    }
 
 
 TABLE_COLUMNS = (
@@ -317,7 +331,13 @@ TABLE_COLUMNS = (
     "capacity_lo", "capacity_hi", "capacity_unit", "capacity_per_gpu", "requests_per_s",
     "output_tokens_per_s_per_gpu", "breaks_first", "limited", "ceiling", "level_unit",
     "min_duration_s", "cost_per_mtok_usd", "probes", "probe_requests", "search_wall_s",
+    "simulated_capacity_per_gpu", "predicted_lo_per_gpu", "predicted_hi_per_gpu",
 )  # fmt: skip
+"""The study's capacity table. On a measured backend each row is also the deployment's entry
+in the error ledger: the simulator's capacity per GPU for it, and the range the simulator
+alone predicted (`capacity.predicted_ranges`: its interval scaled by how far off it was on
+the study's other deployments); empty on the simulator, and left out of its HTML table."""
+LEDGER_COLUMNS = TABLE_COLUMNS[-3:]
 
 TABLE_SCHEMA = {
     **dict.fromkeys(
@@ -331,7 +351,8 @@ TABLE_SCHEMA = {
         (
             "capacity", "capacity_lo", "capacity_hi", "capacity_per_gpu", "requests_per_s",
             "output_tokens_per_s_per_gpu", "ceiling", "min_duration_s", "cost_per_mtok_usd",
-            "search_wall_s",
+            "search_wall_s", "simulated_capacity_per_gpu", "predicted_lo_per_gpu",
+            "predicted_hi_per_gpu",
         ),
         pl.Float64(),
     ),
@@ -342,8 +363,12 @@ def write_study_table(
     paths: Iterable[str | os.PathLike[str]], title: str, parquet: str, csv: str, html: str
 ) -> None:
     """One capacity_table job (rules/capacity.smk): the study's table as Parquet, CSV, HTML."""
-    columns = [(name, name.replace("_", " ")) for name in TABLE_COLUMNS]
     table = study_table(paths)
+    columns = [
+        (name, name.replace("_", " "))
+        for name in TABLE_COLUMNS
+        if name not in LEDGER_COLUMNS or table[name].null_count() < table.height
+    ]
     aggregate.write_summary(
         table, parquet, csv, html, title=f"Capacity at the SLO — {title}", columns=columns
     )
@@ -352,5 +377,16 @@ def write_study_table(
 def study_table(paths: Iterable[str | os.PathLike[str]]) -> pl.DataFrame:
     """One row per deployment of a study, highest capacity per GPU first."""
     rows = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]
-    frame = pl.DataFrame([{k: r[k] for k in TABLE_COLUMNS} for r in rows], schema=TABLE_SCHEMA)
+    ledger = [
+        capacity.LedgerRow(
+            r["capacity_per_gpu"],
+            r.get("simulated_capacity_per_gpu"),
+            r.get("simulated_capacity_lo_per_gpu"),
+            r.get("simulated_capacity_hi_per_gpu"),
+        )
+        for r in rows
+    ]
+    for row, span in zip(rows, capacity.predicted_ranges(ledger), strict=True):
+        row["predicted_lo_per_gpu"], row["predicted_hi_per_gpu"] = span or (None, None)
+    frame = pl.DataFrame([{k: r.get(k) for k in TABLE_COLUMNS} for r in rows], schema=TABLE_SCHEMA)
     return frame.sort(["input_len", "capacity_per_gpu"], descending=[False, True])

@@ -33,6 +33,7 @@ from servematrix.findings.common import (
     overloaded,
     same,
 )
+from servematrix.findings.confirm import confirmation_sentence, ledger_sentence
 
 QUESTIONS = ("modes", "models", "input_len")
 ANSWER_WORDS = 250
@@ -369,6 +370,7 @@ def recommendation_section(
     rest = [
         *((LOSER, _loser_sentence(r)) for r in ranks if question != "input_len"),
         (ESSENTIAL, agreement_sentence(ranks, question)),
+        *((ESSENTIAL, confirmation_sentence(r.label, r.rows, _top(r))) for r in ranks),
         *((FLIP, _latency_flip(summary, r, x)) for r in ranks),
         (BREAKS, _breaks_sentence(capacity)),
         (HEADROOM, _headroom(summary, ranks, _varied(capacity))),
@@ -391,6 +393,9 @@ def capacity_section(capacity: pl.DataFrame, question: str) -> Section | None:
     unit = _unit(capacity.row(0, named=True))
     header = ["rank", "configuration", f"capacity ({unit})", "GPUs", "per GPU", "interval per GPU"]
     header += ["output tok/s per GPU", "breaks first above", "$ per M output tokens"]
+    ledger = ledger_sentence(capacity)
+    if ledger:
+        header += ["simulated per GPU", "predicted from the others"]
     tables = [
         Table(
             header,
@@ -405,6 +410,7 @@ def capacity_section(capacity: pl.DataFrame, question: str) -> Section | None:
                     fmt_rate(r["output_tokens_per_s_per_gpu"]),
                     r["breaks_first"] or "none up to the search's limit",
                     "—" if r["cost_per_mtok_usd"] is None else f"{r['cost_per_mtok_usd']:,.2f}",
+                    *(_ledger_cells(r) if ledger else []),
                 ]
                 for i, r in enumerate(ranking.rows)
             ],
@@ -412,7 +418,16 @@ def capacity_section(capacity: pl.DataFrame, question: str) -> Section | None:
         )
         for ranking in rankings(capacity, question)
     ]
-    return Section(CAPACITY_TITLE, [_interval_kind(capacity)], tables)
+    return Section(
+        CAPACITY_TITLE, [_interval_kind(capacity), *([ledger] if ledger else [])], tables
+    )
+
+
+def _ledger_cells(row: dict) -> list[str]:
+    """The simulator's capacity per GPU and the range it predicted from the other deployments."""
+    lo, hi = row["predicted_lo_per_gpu"], row["predicted_hi_per_gpu"]
+    predicted = "—" if lo is None else f"[{fmt_rate(lo)}, {fmt_rate(hi)}]"
+    return [fmt_rate(row["simulated_capacity_per_gpu"]), predicted]
 
 
 def no_slo_section() -> Section:
