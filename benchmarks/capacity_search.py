@@ -3,10 +3,11 @@
 Runs ``servematrix.capacity_run.search_deployment`` for every deployment of every study (each
 deployment once, as the workflow does) in a fresh scratch directory, so every probe is a new
 cell (nothing cached), one process, one thread. Prints one row per deployment (study, model,
-mode, input length, capacity per GPU and the bracket it was found in, the physical ceiling,
-what broke first above it, probes and their requests, wall time of the search) and how far
+mode, input length, capacity per GPU and the bracket it was found in, its interval (the
+bracket widened by the probes' noise, ``capacity.edge_resolution``), the physical ceiling,
+what broke first above it, probes and their requests, wall time of the search), how far
 the capacity moves when the probes are twice as long (``min_duration_s`` and
-``tail_requests`` doubled), then the total.
+``tail_requests`` doubled) and whether it stays inside the interval, then the totals.
 
 ``--emulator-study NAME`` instead measures, per deployment of that study, the emulator's
 capacity (its search started from the simulator's), what a probe cost in wall time, and long
@@ -41,8 +42,8 @@ def _settings(cfg: Config) -> dict:
 def simulator_table(cfg: Config) -> None:
     print(f"{'study':<16} {'model':<30} {'mode':<14} {'in':>5} {'per GPU':>8} "
           f"{'bracket':>15} {'ceiling':>8} {'breaks first':<16} {'probes':>6} {'requests':>8} "
-          f"{'wall s':>7} {'2x long':>8}")  # fmt: skip
-    total_s, total_probes, seen = 0.0, 0, set()
+          f"{'wall s':>7} {'interval':>15} {'2x long':>8} {'inside':>6}")  # fmt: skip
+    total_s, total_probes, seen, within, inside = 0.0, 0, set(), 0, 0
     for name, study in cfg.studies.items():
         for path, cells in capacity_run.deployments(study.cells).items():
             if path in seen:
@@ -62,6 +63,11 @@ def simulator_table(cfg: Config) -> None:
                 },
             )
             change = doubled["capacity"] / doc["capacity"] - 1 if doc["capacity"] else 0
+            held = doc["capacity_lo"] <= doubled["capacity"] <= doc["capacity_hi"]
+            within, inside = within + (abs(change) <= _settings(cfg)["tolerance"]), inside + held
+            interval = (
+                f"[{doc['capacity_lo'] / doc['gpus']:.3g}, {doc['capacity_hi'] / doc['gpus']:.3g}]"
+            )
             s = doc["searches"][0]
             failing = "none" if s["failing_level"] is None else f"{s['failing_level']:g}"
             bracket = f"[{s['capacity_level']:g}, {failing}]"
@@ -69,8 +75,11 @@ def simulator_table(cfg: Config) -> None:
             print(f"{name:<16} {doc['model']:<30} {doc['mode']:<14} {doc['input_len']:>5} "
                   f"{doc['capacity_per_gpu']:>8.3f} {bracket:>15} {ceiling:>8} "
                   f"{doc['breaks_first']!s:<16} {doc['probes']:>6} "
-                  f"{doc['probe_requests']:>8} {wall_s:>7.2f} {change:>+8.1%}")  # fmt: skip
+                  f"{doc['probe_requests']:>8} {wall_s:>7.2f} {interval:>15} {change:>+8.1%} "
+                  f"{'yes' if held else 'NO':>6}")  # fmt: skip
     print(f"{len(seen)} deployments, {total_probes} probes, {total_s:.1f} s in all")
+    print(f"twice as long: {within} of {len(seen)} within the tolerance, {inside} of {len(seen)} "
+          "inside the interval")  # fmt: skip
 
 
 def emulator_table(cfg: Config, study: str, long_s: float) -> None:

@@ -201,3 +201,32 @@ def test_the_ledger_predicts_each_deployment_from_the_others_only():
     assert ranges[2] == pytest.approx((5.0 * 0.8, 5.0 * 1.25))
     assert ranges[3] is None
     assert capacity.predicted_ranges([capacity.LedgerRow(10.0, 8.0)]) == [None]
+
+
+def _edge_probe(level: float, ratio: float, se: float | None = 0.005) -> Probe:
+    return Probe(
+        level, ratio <= 1, () if ratio <= 1 else ("P99 TPOT",), 0.0, "", 0, level, ratio, se
+    )
+
+
+def test_the_interval_of_one_search_is_its_bracket_widened_by_the_noise_at_its_edge():
+    # The check rises 0.1 per unit of log level; a 0.01 standard error is 10 % of the level.
+    steep = [
+        _edge_probe(level, 1 + 0.1 * math.log(level / 0.6), 0.01)
+        for level in (0.5, 0.58, 0.62, 0.7)
+    ]
+    found = capacity.Search(0.58, 0.62, tuple(steep))
+    assert capacity.edge_resolution(found) == pytest.approx(0.1)
+    interval = capacity.capacity_interval([found])
+    widen = math.exp(capacity.EDGE_T * 0.1)
+    assert (interval.lo, interval.hi) == pytest.approx((0.58 / widen, 0.62 * widen))
+    # Flat: the check does not rise across the probes, so the edge is not resolved.
+    flat = [_edge_probe(0.58, 0.999), _edge_probe(0.62, 1.001), _edge_probe(0.7, 0.998)]
+    assert (
+        capacity.edge_resolution(capacity.Search(0.58, 0.62, tuple(flat)))
+        == capacity.EDGE_UNRESOLVED
+    )
+    # Sharp: the failing probe's queue grew (no finite ratio), so the bracket is the interval.
+    sharp = capacity.Search(0.58, 0.62, (_edge_probe(0.58, 0.9), _edge_probe(0.62, math.inf, None)))
+    assert capacity.edge_resolution(sharp) == 0.0
+    assert capacity.capacity_interval([sharp]) == intervals.Interval(0.58, 0.58, 0.62)

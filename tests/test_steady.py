@@ -138,3 +138,25 @@ def test_a_sessions_window_ends_at_the_last_session_to_arrive():
     window = steady.steady_window(steady.measured_frame(frame), shape)
     assert window["sent_s"].max() == last_arrival
     assert window.height == 600 - 200
+
+
+def test_the_binding_check_and_its_noise_over_batches_of_the_window():
+    """TTFT drawn around 400 ms (P99 TTFT ≤ 500 ms binds, P99 TPOT at 20 of 50 ms does not):
+    the verdict names the P99 TTFT ratio and a batch-means standard error of it, which shrinks
+    as the run grows; a failure without an attainment leaves no finite edge to measure."""
+
+    def jittered(sent):
+        return np.random.default_rng(1).normal(0.3, 0.04, len(sent)).clip(0.01)
+
+    short = steady.judge(run(n=2000, ttft_s=jittered), SLO, tail_requests=10)
+    long = steady.judge(run(n=16000, ttft_s=jittered), SLO, tail_requests=10)
+    for verdict in (short, long):
+        assert verdict.met
+        ttft_p99 = np.percentile(jittered(np.zeros(16000)), 99) * 1000 / 500
+        assert verdict.edge_ratio == pytest.approx(ttft_p99, rel=0.05)
+        assert 0 < verdict.edge_se < 0.05
+    assert long.edge_se < short.edge_se
+    failing = steady.judge(run(fail_every=50), SLO, tail_requests=10)
+    assert failing.edge_ratio == float("inf") and failing.edge_se is None
+    too_few = steady.judge(run(n=400), SLO, tail_requests=1)  # batches of 40: no P99 in each
+    assert too_few.edge_se is None

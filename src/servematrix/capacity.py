@@ -22,7 +22,8 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from servematrix.intervals import Interval, t_interval
+from servematrix.intervals import T_975, Interval, t_interval
+from servematrix.steady import BATCHES
 
 BLIND_FACTOR = 2.0
 """A blind search doubles (or halves) the level until the SLO's edge is bracketed."""
@@ -46,6 +47,10 @@ class Probe:
     trace: str
     requests: int = 0
     requests_per_s: float = 0.0
+    edge_ratio: float = math.inf
+    edge_se: float | None = None
+    """The binding check's ratio to its limit and its standard error
+    (`servematrix.steady.Judgement`)."""
 
 
 @dataclass(frozen=True)
@@ -138,13 +143,56 @@ def search(
     return Search(lo or 0.0, hi, tuple(probes), round_level(limit, integer))
 
 
+EDGE_SPAN = 1.3
+"""Probes within this factor of the bracket's ends give the slope of the binding check."""
+EDGE_UNRESOLVED = 0.25
+"""The relative noise of a capacity whose binding check does not rise across its probes
+(noise larger than the slope): its edge is not resolved within ±25 %."""
+
+
+def edge_resolution(s: Search) -> float:
+    """How sure one search is of where the SLO's edge lies, as a relative standard error of the
+    level: the binding check's noise at the bracket (the larger standard error of its two
+    probes) over how fast the check rises with the level there (the least-squares slope of
+    its ratio against log level over the probes near the bracket). 0 when the bracket is
+    sharp (the failing probe broke without a finite ratio: a request failed or the queue grew)
+    or its noise unknown; `EDGE_UNRESOLVED` when the check does not rise at all.
+
+    A P99 of short outputs can be nearly flat across a tenth of the rate (it moves in steps
+    with the number of prefills a request decodes across), so a bisection to ``tolerance``
+    would claim a precision the probes do not have; the interval says how wide it is."""
+    if not s.capacity or s.failing is None:
+        return 0.0
+    ends = [p for p in s.probes if p.level in (s.capacity, s.failing)]
+    noise = [p.edge_se for p in ends]
+    if any(se is None for se in noise) or not all(math.isfinite(p.edge_ratio) for p in ends):
+        return 0.0
+    near = [
+        p
+        for p in s.probes
+        if s.capacity / EDGE_SPAN <= p.level <= s.failing * EDGE_SPAN
+        and math.isfinite(p.edge_ratio)
+    ]
+    logs = [math.log(p.level) for p in near]
+    mean_log = sum(logs) / len(logs)
+    spread = sum((x - mean_log) ** 2 for x in logs)
+    slope = sum((x - mean_log) * p.edge_ratio for x, p in zip(logs, near, strict=True)) / spread
+    return min(max(noise) / slope, EDGE_UNRESOLVED) if slope > 0 else EDGE_UNRESOLVED
+
+
+EDGE_T = T_975[BATCHES - 2]
+"""Student's t 97.5 % quantile for the batches' degrees of freedom: a 95 % interval."""
+
+
 def capacity_interval(searches: Iterable[Search]) -> Interval:
     """Over repeats (one search per seed): the mean capacity and its t interval. One search:
-    the capacity and its bracket (the search's resolution, not a noise estimate)."""
+    the capacity, and its bracket widened by `EDGE_T` times its `edge_resolution` at each
+    end."""
     searches = list(searches)
     if len(searches) == 1:
         s = searches[0]
-        return Interval(s.capacity, s.capacity, s.failing or s.capacity)
+        widen = math.exp(EDGE_T * edge_resolution(s))
+        return Interval(s.capacity, s.capacity / widen, (s.failing or s.capacity) * widen)
     return t_interval(s.capacity for s in searches)
 
 

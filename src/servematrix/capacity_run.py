@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -137,6 +138,8 @@ def probe_at(template: Cell, level: float, slo: Slo, settings: Mapping[str, Any]
         cell.path,
         cell.workload.num_prompts,
         verdict.requests_per_s,
+        verdict.edge_ratio,
+        verdict.edge_se,
     )
 
 
@@ -196,13 +199,16 @@ def _probe_dict(probe: capacity.Probe) -> dict[str, Any]:
         "requests_per_s": probe.requests_per_s,
         "requests": probe.requests,
         "trace": probe.trace,
+        "edge_ratio": probe.edge_ratio if math.isfinite(probe.edge_ratio) else None,
+        "edge_se": probe.edge_se,
     }
 
 
 def capacity_in_unit(template: Cell, searches: Sequence[capacity.Search]) -> intervals.Interval:
     """The capacity in its axis's unit (`servematrix.loads`) from the searches' levels: over
-    repeats their mean and t interval; one search, its capacity and its bracket's upper end
-    in the same unit (scaled from the failing level)."""
+    repeats their mean and t interval; one search, its capacity and its interval in levels
+    (`capacity.capacity_interval`: the bracket widened by the probes' noise) scaled to the
+    same unit."""
     axis = axis_of(template)
     values = [
         axis.capacity(s.capacity, s.at_capacity.trace) if s.at_capacity else 0.0 for s in searches
@@ -210,8 +216,11 @@ def capacity_in_unit(template: Cell, searches: Sequence[capacity.Search]) -> int
     if len(searches) > 1:
         return intervals.t_interval(values)
     s, value = searches[0], values[0]
-    upper = value * s.failing / s.capacity if s.failing and s.capacity else value
-    return intervals.Interval(value, value, upper)
+    if not s.capacity:
+        return intervals.Interval(value, value, value)
+    levels = capacity.capacity_interval([s])
+    scale = value / s.capacity
+    return intervals.Interval(value, levels.lo * scale, levels.hi * scale)
 
 
 def search_deployment(
@@ -253,6 +262,9 @@ def search_deployment(
         "capacity_hi": interval.hi,
         "capacity_per_gpu": interval.value / gpus,
         "capacity_level": capacity.capacity_interval(searches.values()).value,
+        "edge_resolution": (
+            capacity.edge_resolution(next(iter(searches.values()))) if len(searches) == 1 else None
+        ),
         "level_unit": axis.level_unit,
         "requests_per_s": (
             float(sum(p.requests_per_s for p in at_capacity) / len(at_capacity))

@@ -52,6 +52,10 @@ THROUGHPUT_TOLERANCE = 0.05
 QUEUE_TOLERANCE = 0.25
 TAIL_REQUESTS = 100
 """``capacity.tail_requests`` when the config leaves it out (see `requests_needed`)."""
+BATCHES = 8
+"""The steady window is cut into this many consecutive batches to estimate how noisy the
+binding check is (`Judgement.edge_se`): batch means, since neighbouring requests share a queue
+and are not independent samples, while batches far longer than a request's life nearly are."""
 QUEUE_GROWING = "queue growing"
 BELOW_OFFERED = "throughput below offered"
 TOO_SHORT = "run too short"
@@ -102,6 +106,13 @@ class Judgement:
     steadiness: Steadiness
     output_tokens_per_s: float
     requests_per_s: float
+    edge_ratio: float = math.inf
+    edge_se: float | None = None
+    """The binding check (the SLO statistic or attainment furthest towards its limit) as a
+    ratio to its limit (> 1: broken; infinite when a request failed without an attainment or
+    the run was not steady), and that ratio's standard error over `BATCHES` batches of the
+    window (None when a batch is too small for the statistic): how sharply the probe says
+    where the SLO's edge is (`servematrix.capacity.edge_resolution`)."""
 
 
 def measured_frame(table: pa.Table | pl.DataFrame) -> pl.DataFrame:
@@ -175,6 +186,30 @@ def judge(
     measured = measured_frame(table)
     state = steadiness(measured, shape)
     window = steady_window(measured, shape)
+    over = _checks(window, slo, tail_requests)
+    if not state.steady:
+        over.append((math.inf, state.reason))
+    ranked = sorted(over, key=lambda x: -x[0])
+    broken = tuple(label for ratio, label in ranked if not ratio <= 1)
+    start, end = window["sent_s"].min(), window["sent_s"].max()
+    done = measured.filter(pl.col("success") & pl.col("end_s").is_between(start, end))
+    span_s = state.window_s if state.window_s > 0 else math.inf
+    tokens_per_s = done["completion_tokens"].sum() / span_s
+    edge_ratio, edge_label = ranked[0] if ranked else (0.0, "")
+    return Judgement(
+        not broken,
+        broken,
+        state,
+        float(tokens_per_s),
+        done.height / span_s,
+        float(edge_ratio),
+        _batch_se(window, slo, edge_label) if math.isfinite(edge_ratio) and ranked else None,
+    )
+
+
+def _checks(window: pl.DataFrame, slo: Slo, tail_requests: int) -> list[tuple[float, str]]:
+    """Every SLO check over the window as (its statistic over its limit, its label): the
+    bounds, the attainment, and without an attainment whether any request failed."""
     values = _per_request_s(window)
     over = [_bound_check(bound, values, window, tail_requests) for bound in slo.bounds]
     if slo.attainment is not None:
@@ -182,14 +217,21 @@ def judge(
     failed = window.height - int(window["success"].sum())
     if slo.attainment is None and failed:  # no share may fail: a failure meets no SLO
         over.append((math.inf, FAILED))
-    if not state.steady:
-        over.append((math.inf, state.reason))
-    broken = tuple(label for ratio, label in sorted(over, key=lambda x: -x[0]) if not ratio <= 1)
-    start, end = window["sent_s"].min(), window["sent_s"].max()
-    done = measured.filter(pl.col("success") & pl.col("end_s").is_between(start, end))
-    span_s = state.window_s if state.window_s > 0 else math.inf
-    tokens_per_s = done["completion_tokens"].sum() / span_s
-    return Judgement(not broken, broken, state, float(tokens_per_s), done.height / span_s)
+    return over
+
+
+def _batch_se(window: pl.DataFrame, slo: Slo, label: str) -> float | None:
+    """The standard error of the check ``label``'s ratio, from its spread over `BATCHES`
+    consecutive batches of the window (each judged with one request beyond a percentile)."""
+    size = window.height // BATCHES
+    ratios = []
+    for i in range(BATCHES):
+        batch = {lb: r for r, lb in _checks(window.slice(i * size, size), slo, 1)}
+        ratio = batch.get(label, math.inf)
+        if not math.isfinite(ratio):
+            return None
+        ratios.append(ratio)
+    return float(np.std(ratios, ddof=1) / math.sqrt(BATCHES))
 
 
 def _attainment_shortfall(slo: Slo, values: Mapping[str, np.ndarray], target: float) -> float:

@@ -383,7 +383,10 @@ def _interval_kind(capacity: pl.DataFrame) -> str:
     repeats = capacity["repeats"].max()
     if repeats > 1:
         return f"Intervals: 95 % over {repeats} repeats."
-    return "Intervals: one seed, so they are the search's brackets, not noise estimates."
+    return (
+        "Intervals: one seed, so each is the search's bracket, widened by the noise of the "
+        "SLO's statistic at its ends over how fast that statistic rises there (95 %)."
+    )
 
 
 def capacity_section(capacity: pl.DataFrame, question: str) -> Section | None:
