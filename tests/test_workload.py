@@ -279,3 +279,47 @@ def test_random_prompts_start_with_one_of_the_shared_system_prompts():
     # request_lengths names the same system prompt for each request as build_requests sends
     for k, group in enumerate(lengths.prefix_groups):
         assert by_group[k] == by_group[lengths.prefix_groups.index(group)]
+
+
+def test_every_dataset_is_one_registry_entry_the_schema_offers():
+    """A dataset is a module in servematrix/datasets and a line in its registry; the schema's
+    enum offers exactly those (so a new dataset touches its module, the registry and the
+    schema)."""
+    import yaml
+
+    from servematrix.datasets import DATASETS, dataset_of
+    from servematrix.workload import WorkloadError
+
+    schema = yaml.safe_load(Path("config/schema.yaml").read_text(encoding="utf-8"))
+    offered = schema["$defs"]["workload"]["properties"]["dataset"]["enum"]
+    assert offered == list(DATASETS)
+    for name, dataset in DATASETS.items():
+        assert name == dataset.NAME and type(dataset).__module__.startswith("servematrix.datasets.")
+    with pytest.raises(WorkloadError, match=r"unknown dataset 'nope' \(known: random, sonnet"):
+        dataset_of("nope")
+
+
+def test_a_new_dataset_reaches_the_requests_through_the_registry_alone(monkeypatch):
+    """A dataset registered at run time (no other file changed) gives the cell's requests."""
+    from servematrix.datasets import DATASETS
+    from servematrix.datasets.base import Entry
+
+    class Constant:
+        NAME, READS_FILE, TOKENIZED, DRAWS_LENGTHS = "constant", False, False, False
+        SHARES_PREFIX = GROUPS_PREFIXES = REPLAYS_TRACE = False
+
+        def entries(self, w, count, counter, vocab_size):
+            return [Entry(None if vocab_size is None else [7] * 3, 3, 2) for _ in range(count)]
+
+        def shared_prefix_tokens(self, w, counter):
+            return 0
+
+        def check(self, w):
+            pass
+
+    monkeypatch.setitem(DATASETS, "constant", Constant())
+    w = Workload(qps=2.0, input_len=3, output_len=2, num_prompts=4, seed=0,
+                 dataset="constant", burstiness=1.0, warmup_requests=1)  # fmt: skip
+    requests = build_requests(w, vocab_size=100)
+    assert [r.prompt for r in requests] == [[7, 7, 7]] * 5
+    assert request_lengths(w).input_lens == [3] * 5

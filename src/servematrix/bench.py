@@ -24,6 +24,8 @@ from typing import Any
 import yaml
 
 from servematrix import __version__, trace
+from servematrix.datasets import DATASETS as BY_NAME
+from servematrix.datasets import dataset_of
 from servematrix.engine.architecture import architecture_dir, shipped
 from servematrix.files import unwritable
 from servematrix.matrix import Workload
@@ -40,7 +42,8 @@ EXIT_INTERRUPTED = 130
 
 CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "config.yaml"
 DEFAULT_VOCAB_SIZE = 32000  # Llama-2's; Qwen2.5 (151k+) and Command R (256k) have more
-DATASETS = ("random", "sonnet", "jsonl")
+DATASETS = tuple(name for name, d in BY_NAME.items() if not d.REPLAYS_TRACE)
+"""The datasets the standalone client offers (a trace replay needs a study's settings)."""
 REFUSED_TIMEOUT_S = 30.0
 
 
@@ -185,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         )
         vocab_size, vocab_source = vocab_size_for(args.model, args.vocab_size)
         counter = None
-        if workload.dataset != "random":
+        if dataset_of(workload.dataset).TOKENIZED:
             counter = TokenCounter.for_model(args.tokenizer or args.model)
         requests = build_requests(workload, vocab_size, counter)
         if not logging.getLogger().handlers:  # progress lines when stderr is not a terminal
@@ -274,7 +277,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         raise BenchError(f"--range-ratio must be in [0, 1), got {args.range_ratio:g}")
     if args.vocab_size is not None:
         at_least("vocab-size", args.vocab_size, 1)
-    if args.dataset != "random" and not args.dataset_path:
+    if dataset_of(args.dataset).READS_FILE and not args.dataset_path:
         raise BenchError(f"--dataset {args.dataset} needs --dataset-path")
     return Workload(
         qps=args.qps,

@@ -11,12 +11,13 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from servematrix.datasets import Dataset, dataset_of, names
 from servematrix.matrix import (
     MODES,
     TRACE_DEFAULTS,
@@ -255,31 +256,37 @@ def _check_workload_settings(
     def where(key: str) -> str:
         return f"{base}.workload.{key}" if key in data.get("workload", {}) else f"defaults.{key}"
 
-    dataset = settings["dataset"]
-    if dataset == "random":
+    dataset = dataset_of(settings["dataset"])
+    if not dataset.READS_FILE:
         if settings.get("dataset_path") is not None:
-            raise ConfigError(where("dataset_path"), "the random dataset reads no file")
+            raise ConfigError(where("dataset_path"), f"the {dataset.NAME} dataset reads no file")
     else:
         path = settings.get("dataset_path")
         if path is None:
-            raise ConfigError(where("dataset"), f"dataset {dataset!r} needs a dataset_path")
+            raise ConfigError(where("dataset"), f"dataset {dataset.NAME!r} needs a dataset_path")
         if not Path(path).is_file():
             raise ConfigError(where("dataset_path"), f"dataset file {path} does not exist")
-        if settings["range_ratio"]:
-            raise ConfigError(where("range_ratio"), "applies to the random dataset only")
-    if settings["prefix_len"] and dataset not in ("sonnet", "random"):
-        raise ConfigError(where("prefix_len"), "applies to the sonnet and random datasets only")
+    if settings["range_ratio"] and not dataset.DRAWS_LENGTHS:
+        raise ConfigError(where("range_ratio"), _only(lambda d: d.DRAWS_LENGTHS))
+    if settings["prefix_len"] and not dataset.SHARES_PREFIX:
+        raise ConfigError(where("prefix_len"), _only(lambda d: d.SHARES_PREFIX))
     if settings.get("prefix_groups", 1) != 1 and not (
-        dataset == "random" and settings["prefix_len"]
+        dataset.GROUPS_PREFIXES and settings["prefix_len"]
     ):
-        raise ConfigError(
-            where("prefix_groups"), "applies to the random dataset with a prefix_len only"
-        )
+        message = _only(lambda d: d.GROUPS_PREFIXES, " with a prefix_len")
+        raise ConfigError(where("prefix_groups"), message)
     trace_keys = [key for key in _TRACE_KEYS if key in settings]
-    if dataset != "mooncake" and trace_keys:
-        raise ConfigError(where(trace_keys[0]), "applies to the mooncake dataset only")
-    if dataset == "mooncake":
+    if not dataset.REPLAYS_TRACE and trace_keys:
+        raise ConfigError(where(trace_keys[0]), _only(lambda d: d.REPLAYS_TRACE))
+    if dataset.REPLAYS_TRACE:
         _check_trace(where, data, settings)
+
+
+def _only(applies: Callable[[Dataset], bool], condition: str = "") -> str:
+    """Where a setting applies, for its message (``applies to the random and sonnet datasets
+    only``): the datasets with the property ``applies`` tests."""
+    chosen = names(applies)
+    return f"applies to the {chosen} dataset{'s' if ' and ' in chosen else ''}{condition} only"
 
 
 _TRACE_KEYS = tuple(TRACE_DEFAULTS)
@@ -333,8 +340,9 @@ def _sessions(base: str, data: Mapping[str, Any], settings: Mapping[str, Any]) -
     sessions = Sessions(**raw)
     if sessions.min_turns > sessions.turns:
         raise ConfigError(where, f"min_turns {sessions.min_turns} exceeds turns {sessions.turns}")
-    if settings["dataset"] != "random":
-        raise ConfigError(where, "sessions send token ids: they need the random dataset")
+    if not dataset_of(settings["dataset"]).DRAWS_LENGTHS:
+        message = "sessions draw their turns' lengths, which " + _only(lambda d: d.DRAWS_LENGTHS)
+        raise ConfigError(where, message)
     if settings.get("max_concurrency") is not None:
         raise ConfigError(where, "sessions set their own concurrency (users): drop max_concurrency")
     disaggregated = [mode for mode in data["modes"] if MODES[mode].disaggregated]

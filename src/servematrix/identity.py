@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from servematrix.backends import backend_of
+from servematrix.datasets import dataset_of
 from servematrix.matrix import Cell
 
 
@@ -65,8 +66,8 @@ def identity_document(cell: Cell) -> dict[str, Any]:
         "architecture": architecture_content(cell.model.architecture),
     }
     backend = backend_of(cell.backend)
-    if backend.MEASURED or cell.workload.dataset != "random":
-        # What is served (and whose tokenizer counts text prompts); random token ids need none.
+    if backend.MEASURED or dataset_of(cell.workload.dataset).READS_FILE:
+        # What is served, and whose tokenizer counts a file's text prompts; drawn ids need none.
         model["hf_id"] = cell.model.hf_id
     return {
         "backend": cell.backend,

@@ -303,7 +303,7 @@ def workload_token(w: Workload) -> str:
     token = (
         f"qps{format_number(w.qps)}_in{w.input_len}_out{w.output_len}_n{w.num_prompts}_s{w.seed}"
     )
-    if w.dataset != "random":
+    if w.dataset_path is not None:  # a dataset read from a file (the config requires one)
         stem = re.sub(r"[^A-Za-z0-9.-]+", "-", Path(w.dataset_path or "").stem) or "file"
         token += f"_{w.dataset}-{stem}"
     if w.trace_start_s:

@@ -70,10 +70,12 @@ def served(before: tuple[float, float] | None, after: tuple[float, float] | None
 def best(workload: Workload) -> dict[str, int]:
     """The most reuse the workload allows, where it is known (a Mooncake trace): the hit and
     query tokens of an unbounded cache serving the window in order."""
-    if workload.dataset != "mooncake":
-        return {}
     from servematrix import replay
-    from servematrix.workload import trace_window
+    from servematrix.datasets import dataset_of
+    from servematrix.datasets.mooncake import trace_window
+
+    if not dataset_of(workload.dataset).REPLAYS_TRACE:
+        return {}
 
     window = trace_window(workload)
     bound = replay.reuse_bound(window.requests)

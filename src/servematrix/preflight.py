@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from servematrix.backends import backend_of
+from servematrix.datasets import dataset_of
 from servematrix.engine.admission import kv_capacity_message
 from servematrix.engine.architecture import (
     ArchitectureError,
@@ -193,7 +194,7 @@ def _check_one_request_fits(
     before the job for the random dataset), no request of the cell could be served."""
     w = cell.workload
     reserved = int(watermark * kv.num_blocks)
-    if not reserved or w.dataset != "random":
+    if not reserved or not dataset_of(w.dataset).DRAWS_LENGTHS:
         return
     shortest = max(1, math.floor(w.input_len * (1 - w.range_ratio)))
     admissible = kv.num_blocks - reserved

@@ -45,13 +45,12 @@ def failing_as_cell_error(run: Callable[[Cell], BackendRun]) -> Callable[[Cell],
 
 
 def _requests(cell: Cell) -> list:
+    from servematrix.datasets import dataset_of
     from servematrix.engine.architecture import load_architecture
     from servematrix.workload import TokenCounter, build_requests
 
     w = cell.workload
-    counter = (
-        None if w.dataset in ("random", "mooncake") else TokenCounter.for_model(cell.model.hf_id)
-    )
+    counter = TokenCounter.for_model(cell.model.hf_id) if dataset_of(w.dataset).TOKENIZED else None
     vocab_size = load_architecture(cell.model.architecture).vocab_size
     return build_requests(w, vocab_size, counter)
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from servematrix.datasets import dataset_of
 from servematrix.engine.kvcache import KvMemoryPlan
 from servematrix.engine.setup import DEFAULT_GPU, EngineSetup, cell_engine_setup
 from servematrix.engine.steptime import StepTimeModel
@@ -152,9 +153,7 @@ def _simulate(
     # a session's first turns; the rest follow their turns
     sends = measured_sends(workload) if given_sends is None else given_sends
     counter = (
-        None
-        if workload.dataset in ("random", "mooncake")
-        else TokenCounter.for_model(cell.model.hf_id)
+        TokenCounter.for_model(cell.model.hf_id) if dataset_of(workload.dataset).TOKENIZED else None
     )
     lengths = request_lengths(workload, counter)
     instances = [setup.instance(workload.seed, index) for index in range(cell.mode.instances)]
