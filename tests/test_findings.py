@@ -805,3 +805,26 @@ def test_measuring_that_keeps_the_winner_or_a_simulated_table_says_nothing_of_it
         "simulated per GPU"
         not in study_findings(summary, "t", "qps", simulated, context).sections[1].tables[0].header
     )
+
+
+def test_a_mode_only_tied_with_a_winner_is_not_called_the_best_and_never_the_least():
+    """Per model the winners differ, each tied within noise with the other's: the agreement
+    says so instead of calling one of them the best for every model, and a configuration tied
+    with the winner is not named as the one that carries the least."""
+    rows = [
+        capacity_row("a", "chunked", 10.0, gpus=1, capacity_lo=9.9, capacity_hi=10.2),
+        capacity_row("a", "nondisagg", 9.5, gpus=1, capacity_lo=8.0, capacity_hi=11.0),
+        capacity_row("a", "single", 9.4, gpus=1, capacity_lo=8.0, capacity_hi=10.5),
+        capacity_row("b", "nondisagg", 5.0, gpus=1, capacity_lo=4.9, capacity_hi=5.1),
+        capacity_row("b", "chunked", 4.95, gpus=1, capacity_lo=4.0, capacity_hi=6.0),
+    ]
+    summary = pl.DataFrame(
+        [cell(m, mode, 2, 100.0) for m, mode in (("a", "chunked"), ("b", "nondisagg"))]
+    )
+    context = Context("P99 TTFT ≤ 2000 ms", "Caveat.")
+    answer = study_findings(summary, "t", "qps", pl.DataFrame(rows), context).sections[0]
+    assert (
+        "chunked is the best mode, or the same within noise as the best, for every model."
+        in answer.sentences
+    )
+    assert not any("carries the least" in s for s in answer.sentences), answer.sentences

@@ -195,7 +195,7 @@ def _winner_sentence(ranking: Ranking) -> str:
 def _loser_sentence(ranking: Ranking) -> str | None:
     """The weakest of three or more (of two, the runner-up sentence said it)."""
     worst = ranking.rows[-1]
-    if len(ranking.rows) < 3 or not worst["breaks_first"]:
+    if len(ranking.rows) < 3 or not worst["breaks_first"] or _tied(worst, ranking.rows[0]):
         return None
     return (
         f"{worst['name']} carries the least{' for ' + ranking.label if ranking.label else ''} "
@@ -227,9 +227,12 @@ def agreement_sentence(ranks: list[Ranking], question: str) -> str | None:
     what = "mode" if question == "modes" else "model"
     where = "every model" if question == "modes" else "every input length"
     if shared:
-        name = compared[0].rows[0]["name"]
-        name = name if name in shared else sorted(shared)[0]
-        return f"{name} is the best {what} for {where}."
+        winners = {r.rows[0]["name"] for r in compared}
+        if len(winners) == 1 and winners <= shared:
+            return f"{winners.pop()} is the best {what} for {where}."
+        wins = Counter(r.rows[0]["name"] for r in compared)
+        name = sorted(shared, key=lambda n: (-wins[n], n))[0]
+        return f"{name} is the best {what}, or the same within noise as the best, for {where}."
     winners = "; ".join(f"{r.rows[0]['name']} for {r.label}" for r in compared)
     return f"The best {what} is not the same for {where}: {winners}."
 
