@@ -97,6 +97,8 @@ class Provenance:
     """Whether the server's own ``/metrics`` histograms entered the fit."""
     references: tuple[str, ...] = ()
     notes: str = ""
+    host: str = ""
+    """A CPU host's processor (``gpu: cpu``), as ``hardware.cpu_model`` reads it."""
 
 
 @dataclass(frozen=True)
