@@ -264,7 +264,7 @@ def test_a_cpu_hosts_profile_names_its_cpu_and_drives_a_cpu_engine(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C CPU\n")
     host = cpu_model(str(cpuinfo))
-    assert host.startswith("Intel(R) Xeon(R) Platinum 8481C CPU, ") and host.endswith("cores")
+    assert host.startswith("Intel(R) Xeon(R) Platinum 8481C CPU, ") and host.endswith(" CPUs")
     assert cpu_model(str(tmp_path / "none")).startswith("unknown CPU, ")
     args = cli.parser().parse_args(
         ["calibrate", "--url", "http://h:1", "--model", "m", "--out", "p.yaml", "--gpu", "cpu"]
@@ -275,6 +275,12 @@ def test_a_cpu_hosts_profile_names_its_cpu_and_drives_a_cpu_engine(tmp_path):
     setup = setup_of(profile(tmp_path, gpu="cpu", host=host), gpu="cpu")
     assert setup.step_time_label.startswith(f"profile {tmp_path / 'p.yaml'} (fitted on Intel(R)")
     assert setup.scheduler.max_num_seqs == 128
+    # The API server shares the engine's core: a request's input work is in the step that
+    # starts its prefill (not a later chunk's), not beside the engine.
+    fresh = StepBatch(prefill_chunks=((100, 0), (50, 100)), decode_contexts=(300,))
+    want = 0.012 + 6e-5 * 150 + 4e-5 * 3 + 9e-8 * 400 + 0.004
+    assert setup.step_time.step_ms(fresh) == pytest.approx(want * 1e3)
+    assert setup.host.request_ms == 0
     with pytest.raises(ValueError, match="a CPU host's step times come only from a profile"):
         setup_of("", gpu="cpu", step_time_profile=None)
 

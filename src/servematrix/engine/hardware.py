@@ -110,12 +110,12 @@ def gpu_spec(name: str) -> GpuSpec:
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """This machine's CPU as a profile's provenance names it: the model name and the cores
-    this process may use (``Intel(R) Xeon(R) ... , 2 cores``); ``unknown CPU`` without it."""
+    """This machine's CPU as a profile's provenance names it: the model name and the machine's
+    logical CPUs (``Intel(R) Xeon(R) ..., 2 logical CPUs``; not this process's affinity, which a
+    client pinned apart from the server narrows); ``unknown CPU`` without /proc/cpuinfo."""
     try:
         with open(cpuinfo) as lines:
             names = [line.split(":", 1)[1].strip() for line in lines if "model name" in line]
     except OSError:
         names = []
-    cores = len(os.sched_getaffinity(0))
-    return f"{names[0] if names else 'unknown CPU'}, {cores} core{'s' if cores != 1 else ''}"
+    return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} logical CPUs"

@@ -34,7 +34,13 @@ from servematrix.engine.kvcache import (
     kv_offload,
     plan_kv_memory,
 )
-from servematrix.engine.profile import ProfileError, ProfileStepTime, read_profile, scaled_terms
+from servematrix.engine.profile import (
+    ProfileError,
+    ProfileStepTime,
+    SharedCoreStepTime,
+    read_profile,
+    scaled_terms,
+)
 from servematrix.engine.roofline import (
     V0_TP_STEP_BROADCAST_MS,
     RooflineStepTime,
@@ -335,6 +341,9 @@ def profile_step_time(arch: Architecture, flags: EngineFlags) -> StepTimeChoice:
     label = f"profile {path} ({source.method} on {source.host or source.gpu}, {source.model}, "
     label += source.date
     label += f"; {scaling})" if scaling else ")"
+    if flags.gpu == CPU_HOST:
+        label += ", the API server on the engine's cores"
+        return StepTimeChoice(SharedCoreStepTime(terms), label)
     cost = HostCost(0.0, 0.0, request_ms=terms.per_request_api_s * 1e3)
     return StepTimeChoice(WithHostCost(ProfileStepTime(terms), cost), label)
 
