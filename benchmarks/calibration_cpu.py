@@ -43,7 +43,7 @@ from real_vllm_chat import exit_on_sigterm, free_port
 from servematrix import capacity_run, config, metrics
 from servematrix.cell import run_cell
 from servematrix.deploy import recipes
-from servematrix.deploy.supervise import Deployment
+from servematrix.deploy.supervise import Deployment, wait_quiet
 from servematrix.engine.profile import TERMS, read_profile
 from servematrix.matrix import Cell
 from servematrix.vllmcpu import env
@@ -55,6 +55,7 @@ CAPACITY = {"min_duration_s": 20, "tail_requests": 10, "tolerance": 0.1, "max_pr
 CELL_S = 15.0
 """Each held-out cell sends arrivals for about this long (and at least 30 requests)."""
 BASE = {"input_len": 128, "output_len": 32}
+QUIET_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -133,9 +134,9 @@ def cells_of(raw: dict) -> list[Cell]:
 
 
 @contextlib.contextmanager
-def served(model: str, mode: str, work: Path) -> Iterator[str]:
+def served(model: str, mode: str, work: Path) -> Iterator[recipes.Plan]:
     """The ``vllm`` backend's CPU-node deployment of ``model`` in ``mode``, each instance's
-    processes pinned to its core: its base URL while it runs."""
+    processes pinned to its core: its plan (``base_url``) while it runs."""
     raw = raw_config("vllm", model, mode, [HeldOut(model, mode, 1.0)], 1.0)
     raw["node"] = {"kind": "cpu", "kvcache_space_gib": 1}
     raw["ports"] = {name: free_port() for name in ("proxy", "prefill", "decode", "single")}
@@ -152,7 +153,7 @@ def served(model: str, mode: str, work: Path) -> Iterator[str]:
             for pid in group_pids(running.pgid):
                 pin(pid, core)
         os.sched_setaffinity(0, {CLIENT_CORE})
-        yield plan.base_url
+        yield plan
     finally:
         os.sched_setaffinity(0, allowed)
         deployment.stop()
@@ -238,13 +239,14 @@ def describe(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def held_out(model: str, mode: str, rate: float, profile: Path, url: str) -> list[tuple]:
-    """The rows of the held-out cells of ``model`` in ``mode``, served at ``url``:
-    (cell, its rate, predicted, measured)."""
+def held_out(model: str, mode: str, rate: float, profile: Path, plan: recipes.Plan) -> list:
+    """The rows of the held-out cells of ``model`` in ``mode``, served by ``plan``'s
+    deployment once nothing earlier is in flight: (cell, its rate, predicted, measured)."""
     cells = [h for h in HELD_OUT if (h.model, h.mode) == (model, mode)]
     raw = raw_config("external", model, mode, cells, rate)
     predicted = run_all(simulated(raw, profile))
-    actual = run_all(measured(raw, url))
+    wait_quiet(plan.processes, QUIET_TIMEOUT_S)  # a capacity probe past the knee may linger
+    actual = run_all(measured(raw, plan.base_url))
     qps = [c.workload.qps for c in cells_of(raw)]
     return list(zip(cells, qps, predicted, actual, strict=True))
 
@@ -264,17 +266,17 @@ def main() -> None:
     print(f"work directory {work}; load average {os.getloadavg()}", flush=True)
     reference = raw_config("simulator", FIT_MODEL, "single", [HeldOut(FIT_MODEL, "single", 1)], 1)
     docs = {}
-    with served(FIT_MODEL, "single", work) as url:
-        calibrate(url, FIT_MODEL, profile, args.repeats)
+    with served(FIT_MODEL, "single", work) as plan:
+        calibrate(plan.base_url, FIT_MODEL, profile, args.repeats)
         docs["simulator"] = capacity_of(simulated(reference, profile))
         rate = docs["simulator"]["capacity"]
         print(describe(docs["simulator"]), flush=True)
-        docs["external"] = capacity_of(measured(reference, url), hint=rate)
-        rows = held_out(FIT_MODEL, "single", rate, profile, url)
+        docs["external"] = capacity_of(measured(reference, plan.base_url), hint=rate)
+        rows = held_out(FIT_MODEL, "single", rate, profile, plan)
     for model, mode in dict.fromkeys((h.model, h.mode) for h in HELD_OUT[1:]):
         if (model, mode) != (FIT_MODEL, "single"):
-            with served(model, mode, work) as url:
-                rows += held_out(model, mode, rate, profile, url)
+            with served(model, mode, work) as plan:
+                rows += held_out(model, mode, rate, profile, plan)
     show_profile(profile)
     print(describe(docs["simulator"]))
     print(describe(docs["external"]))

@@ -26,9 +26,9 @@ def test_a_profile_fitted_on_vllm_cpu_predicts_a_held_out_cell(vllm_cpu, tmp_pat
     raw = bench.raw_config("external", model, "single", [held], rate=4.0)
     profile = tmp_path / "profile.yaml"
     try:
-        with bench.served(model, "single", tmp_path) as url:
-            bench.calibrate(url, model, profile, repeats=1)
-            (actual,) = bench.run_all(bench.measured(raw, url))
+        with bench.served(model, "single", tmp_path) as plan:
+            bench.calibrate(plan.base_url, model, profile, repeats=1)
+            (actual,) = bench.run_all(bench.measured(raw, plan.base_url))
     finally:
         left = kill_marked(mark)
     assert left == []
