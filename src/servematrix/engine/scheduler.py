@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from servematrix.engine.hardware import CPU_HOST
 from servematrix.engine.kvcache import BlockPool
 from servematrix.matrix import chunks_prefill
 
@@ -106,7 +107,8 @@ def _default_scheduler_config(
         )
     if recipe == "v1":
         large = gpu_name.startswith(("H100", "H200"))
-        budget, seqs = (8192, 1024) if large else (2048, 256)
+        # vLLM's API-server defaults (EngineArgs._set_default_args); on a CPU 128 sequences.
+        budget, seqs = (8192, 1024) if large else (2048, 128 if gpu_name == CPU_HOST else 256)
         if not chunked:
             budget = max(max_model_len, budget)
         return SchedulerConfig(

@@ -23,7 +23,7 @@ from servematrix.engine.aic_table import (
 )
 from servematrix.engine.architecture import Architecture, load_architecture, shipped
 from servematrix.engine.attention import WithMixedStepKvReads, rereads_decode_kv
-from servematrix.engine.hardware import DEFAULT_GPU, GpuSpec, gpu_spec
+from servematrix.engine.hardware import CPU_HOST, DEFAULT_GPU, GpuSpec, gpu_spec
 from servematrix.engine.host import NO_HOST_COST, HostCost, WithHostCost, host_cost
 from servematrix.engine.instance import EngineInstance, Jitter
 from servematrix.engine.kvcache import (
@@ -34,7 +34,13 @@ from servematrix.engine.kvcache import (
     kv_offload,
     plan_kv_memory,
 )
-from servematrix.engine.profile import ProfileError, ProfileStepTime, read_profile, scaled_terms
+from servematrix.engine.profile import (
+    ProfileError,
+    ProfileStepTime,
+    SharedCoreStepTime,
+    read_profile,
+    scaled_terms,
+)
 from servematrix.engine.roofline import (
     V0_TP_STEP_BROADCAST_MS,
     RooflineStepTime,
@@ -289,6 +295,11 @@ def step_time_model(
     largest step under CUDA graphs follows from its seats and token budget)."""
     if flags.step_time_profile:
         return profile_step_time(arch, flags)
+    if flags.gpu == CPU_HOST:
+        raise ValueError(
+            f"engine.gpu {CPU_HOST}: a CPU host's step times come only from a profile calibrated "
+            "on it (servematrix calibrate --gpu cpu; engine: {profile: FILE})"
+        )
     graph_max = (
         v1_graph_max_tokens(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
         if flags.recipe == "v1"
@@ -327,8 +338,12 @@ def profile_step_time(arch: Architecture, flags: EngineFlags) -> StepTimeChoice:
                 "not carry across GPUs, TP degrees or quantizations)",
             )
     terms, scaling = scaled_terms(profile, arch, path)
-    label = f"profile {path} ({source.method} on {source.gpu}, {source.model}, {source.date}"
+    label = f"profile {path} ({source.method} on {source.host or source.gpu}, {source.model}, "
+    label += source.date
     label += f"; {scaling})" if scaling else ")"
+    if flags.gpu == CPU_HOST:
+        label += ", the API server on the engine's cores"
+        return StepTimeChoice(SharedCoreStepTime(terms), label)
     cost = HostCost(0.0, 0.0, request_ms=terms.per_request_api_s * 1e3)
     return StepTimeChoice(WithHostCost(ProfileStepTime(terms), cost), label)
 

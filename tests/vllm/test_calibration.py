@@ -1,0 +1,39 @@
+"""``servematrix calibrate --gpu cpu`` on real vLLM, and the simulator's prediction from that
+profile of a cell the fit never saw (through ``benchmarks/calibration_cpu.py``'s own steps)."""
+
+from __future__ import annotations
+
+import uuid
+
+from servematrix.engine.profile import read_profile
+from tests.benchmark_modules import load
+from tests.vllm.conftest import MARK, kill_marked
+
+(bench,) = load("calibration_cpu")
+
+
+def test_a_profile_fitted_on_vllm_cpu_predicts_a_held_out_cell(vllm_cpu, tmp_path, monkeypatch):
+    """One run of each probe, then Poisson arrivals at 4 req/s of 256-token prompts and 24
+    output tokens (no probe's shape): the simulated mean E2E latency is within 0.5-2x of the
+    measured one. An accuracy bound, loose so that the shared cores' load never breaks it (the
+    benchmark prints how close it comes)."""
+    monkeypatch.chdir(tmp_path)
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(MARK, mark)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = bench.FIT_MODEL
+    held = bench.HeldOut(model, "single", 1.0, input_len=256, output_len=24)
+    raw = bench.raw_config("external", model, "single", [held], rate=4.0)
+    profile = tmp_path / "profile.yaml"
+    try:
+        with bench.served(model, "single", tmp_path) as plan:
+            bench.calibrate(plan.base_url, model, profile, repeats=1)
+            (actual,) = bench.run_all(bench.measured(raw, plan.base_url))
+    finally:
+        left = kill_marked(mark)
+    assert left == []
+    fitted = read_profile(profile)
+    assert fitted.provenance.gpu == "cpu" and fitted.provenance.host
+    (predicted,) = bench.run_all(bench.simulated(raw, profile))
+    ratio = predicted.mean_e2el_ms / actual.mean_e2el_ms
+    assert actual.failed == 0 and 0.5 <= ratio <= 2.0, (predicted, actual)
