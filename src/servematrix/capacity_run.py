@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 def gpus_of(cell: Cell) -> int:
-    return cell.model.tensor_parallel * cell.mode.instances
+    return cell.topology.gpus
 
 
 SIMULATED_DURATION_S = 600.0

@@ -1,0 +1,70 @@
+"""Topologies: the spelling that parses back, the named modes as topologies, pins per role."""
+
+from __future__ import annotations
+
+import pytest
+
+from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload, topology_mode
+from servematrix.topology import DECODE, PREFILL, Topology, TopologyError, parse
+
+H100_70B = ModelSpec("m", "org/m", "qwen2.5-72b", "none", 4, ((0, 1, 2, 3), (4, 5, 6, 7)))
+
+
+def cell(mode) -> Cell:
+    return Cell(
+        backend="simulator",
+        recipe="v1",
+        model=H100_70B,
+        mode=mode,
+        workload=Workload(4.0, 1024, 6, 20, 0, "random", 1.0, 1),
+        serving=Serving(10_000, 0.8),
+    )
+
+
+@pytest.mark.parametrize("spelling", ["4x(TP2)", "1x(TP8)", "2P(TP2)+1D(TP4)", "1P(TP1)+2D(TP1)"])
+def test_spelling_parses_back(spelling):
+    assert parse(spelling).spelling == spelling == str(parse(spelling))
+
+
+def test_xpyd_roles_and_sizes():
+    t = Topology.xpyd(2, 2, 1, 4)
+    assert t.spelling == "2P(TP2)+1D(TP4)" and t.disaggregated
+    assert (t.instances, t.gpus) == (3, 8)
+    assert (t.role(PREFILL).count, t.role(DECODE).tp) == (2, 4)
+    assert not Topology.aggregated(4, 2).disaggregated
+
+
+@pytest.mark.parametrize("bad", ["4x(TP0)", "2P(TP2)", "1D(TP1)+1P(TP1)", "4x", "2x(TP2)+1x(TP2)"])
+def test_bad_spellings_are_refused(bad):
+    with pytest.raises(TopologyError, match=r"topology|roles|at least"):
+        parse(bad)
+
+
+def test_named_modes_are_topologies_at_the_model_tp():
+    spelled = {name: cell(mode).topology.spelling for name, mode in MODES.items()}
+    assert spelled["nondisagg"] == spelled["chunked"] == "2x(TP4)"
+    assert spelled["mooncake-rdma"] == spelled["mooncake-tcp"] == "1P(TP4)+1D(TP4)"
+    assert spelled["single"] == "1x(TP4)"
+    assert cell(MODES["nondisagg"]).instance_gpus == H100_70B.gpus
+    assert cell(MODES["single"]).instance_gpus == H100_70B.gpus[:1]
+
+
+def test_pins_are_carved_per_role_from_the_model_gpus():
+    mode = topology_mode(parse("2P(TP2)+1D(TP4)"))
+    assert (mode.name, mode.instances, mode.disaggregated, mode.kv_protocol) == (
+        "2P(TP2)+1D(TP4)",
+        3,
+        True,
+        "rdma",
+    )
+    assert cell(mode).instance_gpus == ((0, 1), (2, 3), (4, 5, 6, 7))
+    with pytest.raises(TopologyError, match="needs 16 GPUs, 8 are pinned"):
+        _ = cell(topology_mode(parse("4x(TP4)"))).instance_gpus
+
+
+def test_a_topology_mode_round_trips_through_the_cell_parameters():
+    c = cell(topology_mode(parse("4x(TP2)")))
+    assert Cell.from_dict(c.to_dict()) == c
+    named = cell(MODES["mooncake-rdma"])
+    assert "topology" not in named.to_dict()["mode"]
+    assert Cell.from_dict(named.to_dict()) == named
