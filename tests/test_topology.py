@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload, topology_mode
+from servematrix.simulate import simulate
 from servematrix.topology import DECODE, PREFILL, Topology, TopologyError, parse
 
 H100_70B = ModelSpec("m", "org/m", "qwen2.5-72b", "none", 4, ((0, 1, 2, 3), (4, 5, 6, 7)))
@@ -68,3 +71,48 @@ def test_a_topology_mode_round_trips_through_the_cell_parameters():
     named = cell(MODES["mooncake-rdma"])
     assert "topology" not in named.to_dict()["mode"]
     assert Cell.from_dict(named.to_dict()) == named
+
+
+GPTQ_7B_NODE = ModelSpec(
+    "Qwen2.5-7B-Instruct-GPTQ-Int4",
+    "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",
+    "qwen2.5-7b",
+    "gptq-int4",
+    1,
+    tuple((g,) for g in range(8)),
+)
+
+
+def simulated(spelling: str, qps: float = 12.0, one_queue: bool = False):
+    c = dataclasses.replace(
+        cell(topology_mode(parse(spelling))),
+        model=GPTQ_7B_NODE,
+        workload=Workload(qps, 1024, 32, 80, 0, "random", 1.0, 1),
+        engine={"gpu": "H100-SXM5-80GB", "jitter_cv": 0.05},
+    )
+    return simulate(c, one_queue=one_queue)
+
+
+@pytest.mark.parametrize(
+    "spelling", ["4x(TP1)", "2x(TP2)", "1P(TP1)+2D(TP1)", "2P(TP1)+1D(TP1)", "1P(TP1)+1D(TP2)"]
+)
+def test_the_simulator_drives_any_topology(spelling):
+    result = simulated(spelling)
+    assert len(result.records) == 81 and all(r.success for r in result.records)
+    assert all(r.completion_tokens == 32 for r in result.records)
+    instances = parse(spelling).instances
+    assert len(result.peak_kv_blocks) == instances and all(result.peak_kv_blocks)
+    assert result.records == simulated(spelling).records
+
+
+@pytest.mark.parametrize("spelling", ["1P(TP1)+2D(TP1)", "2P(TP1)+1D(TP1)", "2P(TP1)+3D(TP2)"])
+def test_xpyd_pipelined_equals_one_queue(spelling):
+    assert simulated(spelling).records == simulated(spelling, one_queue=True).records
+
+
+def test_more_decoders_lower_the_decode_load():
+    def mean_tpot(spelling):
+        rows = [r for r in simulated(spelling, qps=40.0).records if not r.warmup]
+        return sum((r.end_s - r.first_token_s) / 31 for r in rows) / len(rows)
+
+    assert mean_tpot("1P(TP1)+3D(TP1)") < mean_tpot("1P(TP1)+1D(TP1)")
