@@ -6,9 +6,21 @@ import dataclasses
 
 import pytest
 
-from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload, topology_mode
+from servematrix import config
+from servematrix.config import read_yaml
+from servematrix.findings.recommend import Ranking, split_sentence
+from servematrix.matrix import (
+    MODES,
+    Cell,
+    ConfigError,
+    ModelSpec,
+    Serving,
+    Workload,
+    topology_mode,
+)
 from servematrix.simulate import simulate
-from servematrix.topology import DECODE, PREFILL, Topology, TopologyError, parse
+from servematrix.topology import DECODE, PREFILL, Topology, TopologyError, parse, within_budget
+from tests.conftest import ROOT
 
 H100_70B = ModelSpec("m", "org/m", "qwen2.5-72b", "none", 4, ((0, 1, 2, 3), (4, 5, 6, 7)))
 
@@ -116,3 +128,60 @@ def test_more_decoders_lower_the_decode_load():
         return sum((r.end_s - r.first_token_s) / 31 for r in rows) / len(rows)
 
     assert mean_tpot("1P(TP1)+3D(TP1)") < mean_tpot("1P(TP1)+1D(TP1)")
+
+
+def test_a_budget_enumerates_every_topology_that_fits():
+    found = [t.spelling for t in within_budget(8, (2, 4))]
+    assert len(found) == len(set(found)) == 17
+    assert all(parse(s).gpus <= 8 for s in found)
+    assert {"4x(TP2)", "2x(TP4)", "1P(TP2)+2D(TP2)", "2P(TP2)+1D(TP2)", "2P(TP2)+1D(TP4)"} <= set(
+        found
+    )
+    assert found[0] == "1x(TP2)" and parse(found[-1]).disaggregated
+
+
+def budget_config(**study) -> dict:
+    xpyd = read_yaml(ROOT / "config" / "examples" / "xpyd.yaml")
+    xpyd["studies"]["xpyd"].update(study)
+    return xpyd
+
+
+def test_a_gpu_budget_study_expands_into_topology_cells():
+    cfg = config.load(budget_config())
+    study = cfg.studies["xpyd"]
+    assert len(study.modes) == 17 == len(study.cells)
+    by_mode = {c.mode.name: c for c in study.cells}
+    c = by_mode["2P(TP2)+1D(TP4)"]
+    assert c.topology.spelling == c.mode.name and c.instance_gpus == ((0, 1), (2, 3), (4, 5, 6, 7))
+    assert "/2P(TP2)+1D(TP4)/" in c.path
+    assert cfg.mode_names()[: len(MODES)] == list(MODES)
+
+
+@pytest.mark.parametrize(
+    ("study", "key_path", "words"),
+    [
+        ({"recipe": "v0"}, "studies.xpyd.gpu_budget", "needs recipe v1"),
+        ({"tp": [2, 16]}, "studies.xpyd.tp[1]", "exceeds the gpu_budget 8"),
+        ({"gpu_budget": 16}, "studies.xpyd.gpu_budget", "pins only 8"),
+        ({"modes": ["single"]}, "studies.xpyd", "valid"),
+    ],
+)
+def test_a_bad_budget_names_its_key(study, key_path, words):
+    with pytest.raises(ConfigError) as error:
+        config.load(budget_config(**study))
+    assert error.value.key_path == key_path and words in str(error.value)
+
+
+def test_the_recommendation_names_the_split_and_its_margin_over_aggregated():
+    def row(spelling, per_gpu):
+        gpus = parse(spelling).gpus
+        return {"mode": spelling, "topology": spelling, "capacity": per_gpu * gpus,
+                "gpus": gpus, "capacity_unit": "req/s"}  # fmt: skip
+
+    split = Ranking("", "mode", [row("2P(TP2)+1D(TP4)", 1.5), row("4x(TP2)", 1.2)])
+    assert split_sentence(split) == (
+        "The best split, 2P(TP2)+1D(TP4) (1.5 req/s per GPU), has 25% more than the best "
+        "aggregated setup, 4x(TP2) (1.2)."
+    )
+    named = Ranking("", "mode", [{**r, "mode": "chunked"} for r in split.rows])
+    assert split_sentence(named) is None

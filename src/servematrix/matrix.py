@@ -81,6 +81,12 @@ MODES: dict[str, ModeSpec] = {
 """The modes, in their canonical order (aggregated first); docs/configuration.md "Modes"
 defines each."""
 
+
+def mode_spec(name: str) -> ModeSpec:
+    """A named mode (`MODES`), else the mode of the topology the name spells."""
+    return MODES.get(name) or topology_mode(parse(name))
+
+
 V0_AUTO_CHUNKED_ABOVE = 32768
 """vLLM 0.6 turns chunked prefill on by itself above this ``max_model_len`` (``EngineArgs``)."""
 
@@ -296,6 +302,11 @@ class Config:
     def all_cells(self) -> list[Cell]:
         """Every distinct cell of every study, in a stable order (a shared cell once)."""
         return list(self._cells_by_path.values())
+
+    def mode_names(self) -> list[str]:
+        """Every mode a path may name: the named modes and the topologies studies spell."""
+        spelled = {mode for study in self.studies.values() for mode in study.modes}
+        return [*MODES, *sorted(spelled - set(MODES))]
 
     def cell_at(self, path: str) -> Cell:
         cell = self._cells_by_path.get(path)

@@ -105,6 +105,22 @@ class Topology:
         return tuple(pins)
 
 
+def within_budget(gpu_budget: int, tps: tuple[int, ...]) -> list[Topology]:
+    """Every topology on at most ``gpu_budget`` GPUs whose roles run at one of the ``tps``
+    sizes: N aggregated replicas at TPt, and P prefill at TPp + D decode instances at TPd;
+    aggregated first, each kind by TP sizes, then by counts."""
+    found = [Topology.aggregated(n, tp) for tp in tps for n in range(1, gpu_budget // tp + 1)]
+    for tp_prefill in tps:
+        for tp_decode in tps:
+            for prefill in range(1, gpu_budget // tp_prefill + 1):
+                left = gpu_budget - prefill * tp_prefill
+                found.extend(
+                    Topology.xpyd(prefill, tp_prefill, decode, tp_decode)
+                    for decode in range(1, left // tp_decode + 1)
+                )
+    return found
+
+
 def parse(spelling: str) -> Topology:
     """The topology a spelling (``4x(TP2)``, ``2P(TP2)+1D(TP4)``) names."""
     if not re.fullmatch(TOPOLOGY_PATTERN, spelling):
