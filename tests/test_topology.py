@@ -8,6 +8,7 @@ import pytest
 
 from servematrix import config
 from servematrix.config import read_yaml
+from servematrix.deploy.recipes import plan
 from servematrix.findings.recommend import Ranking, split_sentence
 from servematrix.matrix import (
     MODES,
@@ -18,6 +19,8 @@ from servematrix.matrix import (
     Workload,
     topology_mode,
 )
+from servematrix.proxy.cli import build
+from servematrix.proxy.cli import parser as proxy_parser
 from servematrix.simulate import simulate
 from servematrix.topology import DECODE, PREFILL, Topology, TopologyError, parse, within_budget
 from tests.conftest import ROOT
@@ -185,3 +188,31 @@ def test_the_recommendation_names_the_split_and_its_margin_over_aggregated():
     )
     named = Ranking("", "mode", [{**r, "mode": "chunked"} for r in split.rows])
     assert split_sentence(named) is None
+
+
+def vllm_plan(spelling: str):
+    cfg = config.load(budget_config())
+    cell = next(c for c in cfg.studies["xpyd"].cells if c.mode.name == spelling)
+    deploy = config.deploy_settings({**cfg.raw, "backend": "vllm"})
+    return plan(dataclasses.replace(cell, backend="vllm", deploy=deploy))
+
+
+def test_the_vllm_recipe_renders_xpyd_with_lists_for_the_proxy():
+    processes = {p.name: p for p in vllm_plan("2P(TP2)+1D(TP4)").processes}
+    assert list(processes) == ["prefill0", "prefill1", "decode0", "proxy"]
+    prefill1, decode0 = processes["prefill1"], processes["decode0"]
+    assert (prefill1.port, prefill1.gpus, prefill1.extra_ports) == (8101, (2, 3), (9000, 9001))
+    assert prefill1.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "9000"
+    assert decode0.argv[decode0.argv.index("-tp") + 1] == "4" and decode0.gpus == (4, 5, 6, 7)
+    assert '"kv_role":"kv_consumer"' in decode0.argv[decode0.argv.index("--kv-transfer-config") + 1]
+    args = proxy_parser().parse_args(list(processes["proxy"].argv[3:]))
+    assert args.prefill == [["http://127.0.0.1:8100", "8998"], ["http://127.0.0.1:8101", "9000"]]
+    assert args.decode == ["http://127.0.0.1:8200"]
+    assert len(build(args).prefillers) == 2
+
+
+def test_aggregated_replicas_sit_behind_one_round_robin_proxy():
+    processes = vllm_plan("4x(TP2)").processes
+    assert [p.port for p in processes] == [8100, 8101, 8102, 8103, 8090]
+    args = proxy_parser().parse_args(list(processes[-1].argv[3:]))
+    assert args.kind == "round-robin" and len(args.upstream) == 4
