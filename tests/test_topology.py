@@ -216,3 +216,16 @@ def test_aggregated_replicas_sit_behind_one_round_robin_proxy():
     assert [p.port for p in processes] == [8100, 8101, 8102, 8103, 8090]
     args = proxy_parser().parse_args(list(processes[-1].argv[3:]))
     assert args.kind == "round-robin" and len(args.upstream) == 4
+
+
+def test_a_study_may_list_topologies_as_modes():
+    listed = budget_config(modes=["4x(TP2)", "2P(TP2)+1D(TP4)"])
+    del listed["studies"]["xpyd"]["gpu_budget"], listed["studies"]["xpyd"]["tp"]
+    cfg = config.load(listed)
+    assert [c.topology.spelling for c in cfg.studies["xpyd"].cells] == [
+        "4x(TP2)",
+        "2P(TP2)+1D(TP4)",
+    ]
+    listed["studies"]["xpyd"]["modes"] = ["4x(TP4)"]
+    with pytest.raises(ConfigError, match=r"4x\(TP4\) needs 16 GPUs but .* pins 8"):
+        config.load(listed)

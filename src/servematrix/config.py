@@ -31,7 +31,7 @@ from servematrix.matrix import (
 )
 from servematrix.sessions import Sessions, longest_conversation_tokens, plan
 from servematrix.slo import Slo, replacement_for_slo_ms
-from servematrix.topology import within_budget
+from servematrix.topology import parse, within_budget
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
@@ -131,9 +131,10 @@ def _study(
         data = {**data, "modes": _budget_modes(base, data, models)}
     for i, mode_name in enumerate(data["modes"]):
         mode = mode_spec(mode_name)
-        if mode.topology is not None:
-            continue  # pinned from the model's GPU list (`_budget_modes`)
         for model in data["models"]:
+            if mode.topology is not None:
+                _check_topology(f"{base}.modes[{i}]", data, mode, models[model])
+                continue
             if len(models[model].gpus) < mode.instances:
                 raise ConfigError(
                     f"{base}.modes[{i}]",
@@ -212,6 +213,18 @@ def _budget_modes(base: str, data: Mapping[str, Any], models: Mapping[str, Model
                 f"{budget} GPUs but models.{model}.gpus pins only {pinned}",
             )
     return [topology.spelling for topology in within_budget(budget, tps)]
+
+
+def _check_topology(where: str, data: Mapping[str, Any], mode: ModeSpec, model: ModelSpec) -> None:
+    """A topology runs on recipe v1 and is pinned from the model's GPU list."""
+    if data["recipe"] != "v1":
+        raise ConfigError(where, f"the topology {mode.name} needs recipe v1")
+    pinned = sum(len(gpus) for gpus in model.gpus)
+    needed = parse(mode.name).gpus
+    if pinned < needed:
+        raise ConfigError(
+            where, f"{mode.name} needs {needed} GPUs but models.{model.name}.gpus pins {pinned}"
+        )
 
 
 def _question(base: str, data: Mapping[str, Any]) -> str | None:

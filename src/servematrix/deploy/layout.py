@@ -34,6 +34,12 @@ class Slot:
     bootstrap: int
 
 
+def decoding_instances(cell: Cell) -> set[str]:
+    """The names of the instances that only decode (a prefiller computed their prompts)."""
+    anywhere = dict.fromkeys(_PORTS.values(), 0) | {"single": 0, "bootstrap": 0}
+    return {slot.name for slot in slots(cell, anywhere) if slot.kv_role == KV_ROLES[DECODE]}
+
+
 def slots(cell: Cell, ports: Mapping[str, int]) -> list[Slot]:
     """Every instance of the cell's deployment, prefill before decode."""
     topology, pins = cell.topology, cell.instance_gpus
