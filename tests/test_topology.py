@@ -8,6 +8,7 @@ import pytest
 
 from servematrix import config
 from servematrix.config import read_yaml
+from servematrix.deploy.layout import decoding_instances
 from servematrix.deploy.recipes import plan
 from servematrix.findings.recommend import Ranking, split_sentence
 from servematrix.matrix import (
@@ -229,3 +230,12 @@ def test_a_study_may_list_topologies_as_modes():
     listed["studies"]["xpyd"]["modes"] = ["4x(TP4)"]
     with pytest.raises(ConfigError, match=r"4x\(TP4\) needs 16 GPUs but .* pins 8"):
         config.load(listed)
+
+
+def test_only_decode_instances_are_left_out_of_prefix_counts():
+    cfg = config.load(budget_config())
+    cells = {c.mode.name: c for c in cfg.studies["xpyd"].cells}
+    assert decoding_instances(cells["1P(TP2)+2D(TP2)"]) == {"decode0", "decode1"}
+    assert decoding_instances(cells["4x(TP2)"]) == set()
+    assert decoding_instances(cell(MODES["mooncake-tcp"])) == {"decode"}
+    assert decoding_instances(cell(MODES["chunked"])) == set()
