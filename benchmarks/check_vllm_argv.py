@@ -3,7 +3,9 @@
 Run with a Python that has vLLM installed (never a servematrix dependency), e.g. a throwaway
 venv:  VLLM_TARGET_DEVICE=cpu PYTHONPATH=src /tmp/vllm-venv/bin/python benchmarks/check_vllm_argv.py
 
-For every model and mode of config/config.yaml it builds the `vllm` backend's argv, parses it
+For every model and mode of config/config.yaml, and every topology of the split question in
+config/examples/xpyd.yaml (xPyD prefillers and decoders at their own TP), it builds the `vllm`
+backend's argv, parses it
 with vLLM's `vllm serve` subparser, validates it (`validate_parsed_serve_args`), turns it into
 engine arguments (`AsyncEngineArgs.from_cli_args`, which builds the pydantic KVTransferConfig,
 so an unknown key in --kv-transfer-config fails here) and prints a table. The engine config
@@ -38,7 +40,11 @@ def vllm_parser():
 
 def check(parser, argv: list[str]) -> str:
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.common.cli_args import validate_parsed_serve_args
+
+    try:
+        from vllm.entrypoints.common.cli_args import validate_parsed_serve_args
+    except ImportError:  # vLLM 0.32 (the CPU build of `make test-vllm`) keeps it here
+        from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
     args = parser.parse_args(argv[1:])  # argv[0] is the `vllm` executable
     if args.model_tag is not None:
@@ -57,31 +63,47 @@ def check(parser, argv: list[str]) -> str:
 def main() -> int:
     import vllm
 
-    cfg = config.load_file(Path("config/config.yaml"))
-    cfg_raw = {**cfg.raw, "backend": "vllm"}
     parser = vllm_parser()
-    failures = 0
     print(f"vLLM {vllm.__version__}: v1 recipe argv parsed by `vllm serve`")
-    print(f"{'model':<32} {'mode':<14} {'process':<8} result")
+    print(f"{'model':<32} {'mode':<16} {'process':<9} result")
+    failures = sum(check_cell(parser, cell) for cell in named_mode_cells())
+    failures += sum(check_cell(parser, cell) for cell in topology_cells())
+    print(f"{failures} failure(s)")
+    return 1 if failures else 0
+
+
+def named_mode_cells():
+    cfg = config.load_file(Path("config/config.yaml"))
+    deploy = config.deploy_settings({**cfg.raw, "backend": "vllm"})
     for model in cfg.models.values():
-        if len(model.gpus) == 0:
-            continue
         for mode in MODES:
             if len(model.gpus) < MODES[mode].instances:
                 continue
             cell = find_cell(cfg, model.name, mode, "v1")
-            cell = dataclasses.replace(cell, recipe="v1", deploy=config.deploy_settings(cfg_raw))
-            for process in plan(cell, "vllm").processes:
-                if process.argv[0] != "vllm":
-                    continue
-                try:
-                    result = "ok " + check(parser, list(process.argv))
-                except (SystemExit, Exception) as error:
-                    failures += 1
-                    result = f"FAIL {type(error).__name__}: {error}"
-                print(f"{model.name:<32} {mode:<14} {process.name:<8} {result}")
-    print(f"{failures} failure(s)")
-    return 1 if failures else 0
+            yield dataclasses.replace(cell, recipe="v1", deploy=deploy)
+
+
+def topology_cells():
+    cfg = config.load_file(Path("config/examples/xpyd.yaml"))
+    deploy = config.deploy_settings({**cfg.raw, "backend": "vllm"})
+    for study in cfg.studies.values():
+        for cell in study.cells:
+            yield dataclasses.replace(cell, backend="vllm", deploy=deploy)
+
+
+def check_cell(parser, cell) -> int:
+    """Check every `vllm serve` line of the cell's deployment; the number that failed."""
+    failures = 0
+    for process in plan(cell, "vllm").processes:
+        if process.argv[0] != "vllm":
+            continue
+        try:
+            result = "ok " + check(parser, list(process.argv))
+        except (SystemExit, Exception) as error:
+            failures += 1
+            result = f"FAIL {type(error).__name__}: {error}"
+        print(f"{cell.model.name:<32} {cell.mode.name:<16} {process.name:<9} {result}")
+    return failures
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ wildcard_constraints:
     ),
     recipe=matrix.wildcard_pattern(matrix.RECIPES),
     model=matrix.wildcard_pattern(RUN_CONFIG.models),
-    mode=matrix.wildcard_pattern(matrix.MODES),
+    mode=matrix.wildcard_pattern(RUN_CONFIG.mode_names()),
     study=matrix.wildcard_pattern(STUDIES),
     workload=matrix.WORKLOAD_TOKEN_PATTERN,
     deployment=r"in\d+_out\d+(_[A-Za-z0-9.+-]+)*",

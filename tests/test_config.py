@@ -16,6 +16,7 @@ from servematrix.matrix import (
     ConfigError,
     wildcard_pattern,
 )
+from servematrix.topology import TOPOLOGY_PATTERN
 from servematrix.workflow import check_config
 from tests.conftest import ROOT
 
@@ -126,8 +127,9 @@ def test_two_instance_mode_needs_two_pins(small_config):
 def test_the_schema_accepts_every_mode_and_no_other():
     schema = yaml.safe_load(config.SCHEMA_PATH.read_text())
     study = schema["properties"]["studies"]["additionalProperties"]
-    modes = study["properties"]["modes"]
-    assert modes["items"]["enum"] == list(MODES)
+    named, spelled = study["properties"]["modes"]["items"]["anyOf"]
+    assert named["enum"] == list(MODES)
+    assert spelled["pattern"] == f"^({TOPOLOGY_PATTERN})$"  # or a topology's spelling
 
 
 def test_the_docs_define_every_mode():

@@ -10,6 +10,7 @@ import pytest
 
 from servematrix.findings import Context, Findings, study_findings, to_html, to_markdown
 from servematrix.findings.recommend import ANSWER_WORDS, answer_words, fmt_rate, study_question
+from servematrix.matrix import MODES
 
 
 def cell(
@@ -506,8 +507,11 @@ def test_overlapping_intervals_are_the_same_within_noise() -> None:
 
 
 def capacity_row(model: str, mode: str, rate: float, gpus: int = 2, **overrides) -> dict:
+    spec = MODES[mode]
+    topology = "1P(TP1)+1D(TP1)" if spec.disaggregated else f"{spec.instances}x(TP1)"
     row = {
-        "model": model, "mode": mode, "recipe": "v0", "input_len": 1024, "output_len": 6,
+        "model": model, "mode": mode, "topology": topology, "recipe": "v0", "input_len": 1024,
+        "output_len": 6,
         "gpus": gpus, "repeats": 1, "capacity": rate, "capacity_lo": rate,
         "capacity_hi": rate * 1.02, "capacity_per_gpu": rate / gpus,
         "output_tokens_per_s_per_gpu": rate * 6 / gpus, "breaks_first": "P99 TPOT",

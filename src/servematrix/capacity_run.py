@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 def gpus_of(cell: Cell) -> int:
-    return cell.model.tensor_parallel * cell.mode.instances
+    return cell.topology.gpus
 
 
 SIMULATED_DURATION_S = 600.0
@@ -250,6 +250,7 @@ def search_deployment(
         "recipe": first.recipe,
         "model": first.model.name,
         "mode": first.mode.name,
+        "topology": first.topology.spelling,
         "input_len": first.workload.input_len,
         "output_len": first.workload.output_len,
         "gpus": gpus,
@@ -339,7 +340,7 @@ def simulated_fields(twin: Mapping[str, Any]) -> dict[str, float]:
 
 
 TABLE_COLUMNS = (
-    "model", "mode", "recipe", "input_len", "output_len", "gpus", "repeats", "capacity",
+    "model", "mode", "topology", "recipe", "input_len", "output_len", "gpus", "repeats", "capacity",
     "capacity_lo", "capacity_hi", "capacity_unit", "capacity_per_gpu", "requests_per_s",
     "output_tokens_per_s_per_gpu", "breaks_first", "limited", "ceiling", "level_unit",
     "min_duration_s", "cost_per_mtok_usd", "probes", "probe_requests", "search_wall_s",
@@ -353,7 +354,8 @@ LEDGER_COLUMNS = TABLE_COLUMNS[-3:]
 
 TABLE_SCHEMA = {
     **dict.fromkeys(
-        ("model", "mode", "recipe", "breaks_first", "capacity_unit", "level_unit"), pl.String()
+        ("model", "mode", "topology", "recipe", "breaks_first", "capacity_unit", "level_unit"),
+        pl.String(),
     ),
     "limited": pl.Boolean(),
     **dict.fromkeys(

@@ -19,7 +19,6 @@ import yaml
 
 from servematrix.datasets import Dataset, dataset_of, names
 from servematrix.matrix import (
-    MODES,
     TRACE_DEFAULTS,
     Cell,
     Config,
@@ -29,9 +28,11 @@ from servematrix.matrix import (
     Serving,
     Study,
     Workload,
+    mode_spec,
 )
 from servematrix.sessions import Sessions, longest_conversation_tokens, plan
 from servematrix.slo import Slo, replacement_for_slo_ms
+from servematrix.topology import parse, within_budget
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
@@ -127,9 +128,14 @@ def _study(
         if model not in models:
             known = ", ".join(sorted(models))
             raise ConfigError(f"{base}.models[{i}]", f"unknown model {model!r} (known: {known})")
+    if "gpu_budget" in data:
+        data = {**data, "modes": _budget_modes(base, data, models)}
     for i, mode_name in enumerate(data["modes"]):
-        mode = MODES[mode_name]
+        mode = mode_spec(mode_name)
         for model in data["models"]:
+            if mode.topology is not None:
+                _check_topology(f"{base}.modes[{i}]", data, mode, models[model])
+                continue
             if len(models[model].gpus) < mode.instances:
                 raise ConfigError(
                     f"{base}.modes[{i}]",
@@ -157,13 +163,13 @@ def _study(
                 for qps, seed in itertools.product(data["qps"], seeds(settings)):
                     workload = _workload(settings, sessions, float(qps), input_len, seed)
                     recipe = spec.recipe or data["recipe"]
-                    _check_offloading(base, data, serving, recipe, MODES[mode])
+                    _check_offloading(base, data, serving, recipe, mode_spec(mode))
                     cells.append(
                         Cell(
                             backend=raw["backend"],
                             recipe=recipe,
                             model=spec,
-                            mode=MODES[mode],
+                            mode=mode_spec(mode),
                             workload=workload,
                             serving=serving,
                             engine=dict(raw["engine"]),
@@ -182,6 +188,44 @@ def _study(
         cells=tuple(cells),
         question=_question(base, data),
     )
+
+
+def _budget_modes(base: str, data: Mapping[str, Any], models: Mapping[str, ModelSpec]) -> list[str]:
+    """The split question: every topology on at most ``gpu_budget`` GPUs at the ``tp`` sizes
+    (default: every power of two up to the budget), each pinned from each model's GPU list."""
+    budget = data["gpu_budget"]
+    if "modes" in data:
+        raise ConfigError(f"{base}.gpu_budget", "a study gives modes or a gpu_budget, not both")
+    if data["recipe"] != "v1":
+        raise ConfigError(
+            f"{base}.gpu_budget",
+            f"needs recipe v1 (recipe {data['recipe']}'s Mooncake runs one prefill and one "
+            "decode instance)",
+        )
+    tps = tuple(data.get("tp", [2**k for k in range(budget.bit_length()) if 2**k <= budget]))
+    for i, tp in enumerate(tps):
+        if tp > budget:
+            raise ConfigError(f"{base}.tp[{i}]", f"TP {tp} exceeds the gpu_budget {budget}")
+    for model in data["models"]:
+        pinned = sum(len(gpus) for gpus in models[model].gpus)
+        if pinned < budget:
+            raise ConfigError(
+                f"{base}.gpu_budget",
+                f"{budget} GPUs but models.{model}.gpus pins only {pinned}",
+            )
+    return [topology.spelling for topology in within_budget(budget, tps)]
+
+
+def _check_topology(where: str, data: Mapping[str, Any], mode: ModeSpec, model: ModelSpec) -> None:
+    """A topology runs on recipe v1 and is pinned from the model's GPU list."""
+    if data["recipe"] != "v1":
+        raise ConfigError(where, f"the topology {mode.name} needs recipe v1")
+    pinned = sum(len(gpus) for gpus in model.gpus)
+    needed = parse(mode.name).gpus
+    if pinned < needed:
+        raise ConfigError(
+            where, f"{mode.name} needs {needed} GPUs but models.{model.name}.gpus pins {pinned}"
+        )
 
 
 def _question(base: str, data: Mapping[str, Any]) -> str | None:
@@ -345,7 +389,7 @@ def _sessions(base: str, data: Mapping[str, Any], settings: Mapping[str, Any]) -
         raise ConfigError(where, message)
     if settings.get("max_concurrency") is not None:
         raise ConfigError(where, "sessions set their own concurrency (users): drop max_concurrency")
-    disaggregated = [mode for mode in data["modes"] if MODES[mode].disaggregated]
+    disaggregated = [mode for mode in data["modes"] if mode_spec(mode).disaggregated]
     if disaggregated:
         raise ConfigError(
             where,
@@ -530,9 +574,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 def _check_lists(data: Mapping[str, Any]) -> None:
     """A value twice in a study's list would measure one cell twice (duplicate summary rows)."""
     for name, study in data["studies"].items():
-        for key in ("models", "modes", "qps", "input_len"):
+        for key in ("models", "modes", "qps", "input_len", "tp"):
             first: dict[Any, int] = {}
-            for i, value in enumerate(study[key]):
+            for i, value in enumerate(study.get(key, ())):
                 j = first.setdefault(value, i)
                 if j != i:
                     raise ConfigError(

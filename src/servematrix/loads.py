@@ -30,7 +30,7 @@ import pyarrow as pa
 from servematrix import sessions, steady, trace
 from servematrix.backends import backend_of
 from servematrix.engine import ceiling
-from servematrix.engine.setup import cell_engine_setup
+from servematrix.engine.setup import cell_engine_setup, role_engine_setups
 from servematrix.matrix import Cell, workload_token
 from servematrix.slo import Slo
 
@@ -97,10 +97,9 @@ class Axis:
         measured backend, whose hardware the simulator's tables need not describe."""
         if backend_of(cell.backend).MEASURED:
             return None
-        w, mode = cell.workload, cell.mode
-        return ceiling.ceiling_rps(
-            cell_engine_setup(cell), w.input_len, w.output_len, mode.instances, mode.disaggregated
-        )
+        w = cell.workload
+        setups = role_engine_setups(cell, cell_engine_setup(cell))
+        return ceiling.ceiling_rps(setups, cell.topology, w.input_len, w.output_len)
 
     def capacity(self, level: float, trace_path: str) -> float:
         """The capacity in ``unit`` when ``level`` is the highest that met the SLO
@@ -147,10 +146,10 @@ class UsersAxis(Axis):
         it wait in the queue."""
         if backend_of(cell.backend).MEASURED:
             return None
-        w, mode = cell.workload, cell.mode
-        decoding = mode.instances - 1 if mode.disaggregated else mode.instances
-        setup = cell_engine_setup(cell)
-        return float(decoding * ceiling.largest_batch(setup, w.input_len, w.output_len))
+        w = cell.workload
+        decoding = cell.topology.roles[-1]  # the aggregated or the decode instances
+        setup = role_engine_setups(cell, cell_engine_setup(cell))[-1]
+        return float(decoding.count * ceiling.largest_batch(setup, w.input_len, w.output_len))
 
 
 @dataclass(frozen=True)
@@ -181,8 +180,8 @@ class SessionsAxis(Axis):
             replace(w.sessions, users=MIN_SESSIONS), w.input_len, w.output_len, 0.0, w.seed
         )
         mean_input = round(np.mean([t.input_len for t in turns]))
-        setup = cell_engine_setup(cell)
-        rate = ceiling.ceiling_rps(setup, mean_input, w.output_len, cell.mode.instances, False)
+        setups = role_engine_setups(cell, cell_engine_setup(cell))
+        rate = ceiling.ceiling_rps(setups, cell.topology, mean_input, w.output_len)
         return rate * MIN_SESSIONS / len(turns)
 
     def capacity(self, level: float, trace_path: str) -> float:

@@ -19,6 +19,7 @@ from typing import Any
 
 from servematrix.sessions import Sessions
 from servematrix.slo import Slo
+from servematrix.topology import Topology, parse
 
 RECIPES = ("v0", "v1")
 PREDICTING_BACKEND = "simulator"
@@ -41,6 +42,9 @@ class ModeSpec:
     """How a mode is deployed: instance count, disaggregation and chunked prefill.
 
     ``chunked_prefill`` None means the recipe's default (off in vLLM 0.6, on in V1).
+    ``topology`` is the spelling of a mode that is a topology (`topology_mode`); a named mode
+    (`MODES`) leaves it None and is its instances at the model's tensor-parallel size
+    (`Cell.topology`).
     """
 
     name: str
@@ -48,6 +52,21 @@ class ModeSpec:
     disaggregated: bool
     chunked_prefill: bool | None
     kv_protocol: str | None = None
+    topology: str | None = None
+
+
+def topology_mode(topology: Topology, kv_protocol: str = "rdma") -> ModeSpec:
+    """The mode that deploys a topology, named by its spelling (a disaggregated one moves KV
+    over ``kv_protocol``)."""
+    spelling = topology.spelling
+    return ModeSpec(
+        spelling,
+        topology.instances,
+        topology.disaggregated,
+        None,
+        kv_protocol if topology.disaggregated else None,
+        spelling,
+    )
 
 
 MODES: dict[str, ModeSpec] = {
@@ -61,6 +80,12 @@ MODES: dict[str, ModeSpec] = {
 }
 """The modes, in their canonical order (aggregated first); docs/configuration.md "Modes"
 defines each."""
+
+
+def mode_spec(name: str) -> ModeSpec:
+    """A named mode (`MODES`), else the mode of the topology the name spells."""
+    return MODES.get(name) or topology_mode(parse(name))
+
 
 V0_AUTO_CHUNKED_ABOVE = 32768
 """vLLM 0.6 turns chunked prefill on by itself above this ``max_model_len`` (``EngineArgs``)."""
@@ -184,9 +209,21 @@ class Cell:
         return chunks_prefill(self.recipe, self.mode.chunked_prefill, self.serving.max_model_len)
 
     @property
+    def topology(self) -> Topology:
+        """The mode's topology: its own, or a named mode's instances at the model's TP (one
+        prefill and one decode instance when disaggregated)."""
+        if self.mode.topology is not None:
+            return parse(self.mode.topology)
+        tp = self.model.tensor_parallel
+        if self.mode.disaggregated:
+            return Topology.xpyd(1, tp, self.mode.instances - 1, tp)
+        return Topology.aggregated(self.mode.instances, tp)
+
+    @property
     def instance_gpus(self) -> tuple[tuple[int, ...], ...]:
-        """GPU ids pinned by each instance this cell's mode starts."""
-        return self.model.gpus[: self.mode.instances]
+        """GPU ids pinned by each instance this cell's topology starts (per role, in order,
+        from the model's GPU list)."""
+        return self.topology.pins(tuple(g for pins in self.model.gpus for g in pins))
 
     def to_dict(self) -> dict[str, Any]:
         data = json.loads(json.dumps(asdict(self)))
@@ -205,6 +242,8 @@ class Cell:
             del data["workload"]["prefix_groups"]
         if self.workload.sessions is None:
             del data["workload"]["sessions"]
+        if self.mode.topology is None:
+            del data["mode"]["topology"]  # a named mode's parameters stay as they were
         return data
 
     @classmethod
@@ -263,6 +302,11 @@ class Config:
     def all_cells(self) -> list[Cell]:
         """Every distinct cell of every study, in a stable order (a shared cell once)."""
         return list(self._cells_by_path.values())
+
+    def mode_names(self) -> list[str]:
+        """Every mode a path may name: the named modes and the topologies studies spell."""
+        spelled = {mode for study in self.studies.values() for mode in study.modes}
+        return [*MODES, *sorted(spelled - set(MODES))]
 
     def cell_at(self, path: str) -> Cell:
         cell = self._cells_by_path.get(path)

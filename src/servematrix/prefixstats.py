@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from servematrix.deploy.layout import decoding_instances
 from servematrix.matrix import Cell, Workload
 
 QUERIES_METRIC = "vllm:prefix_cache_queries_total"
@@ -35,10 +36,10 @@ def parse_counters(text: str) -> tuple[float, float] | None:
 
 
 def computing_instances(cell: Cell, instances: Mapping[str, str]) -> list[str]:
-    """The base URLs of the instances that compute prompts: all of an aggregated deployment's
-    (two round-robin instances are named prefill and decode too), a disaggregated one's
-    prefill instance (its decode instance receives the prompts' KV)."""
-    return [b for n, b in instances.items() if not (cell.mode.disaggregated and n == "decode")]
+    """The base URLs of the instances that compute prompts: all of an aggregated deployment's,
+    a disaggregated one's prefill instances (its decode instances receive the prompts' KV)."""
+    decoding = decoding_instances(cell)
+    return [base for name, base in instances.items() if name not in decoding]
 
 
 def scrape(bases: Iterable[str]) -> tuple[float, float] | None:

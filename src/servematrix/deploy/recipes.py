@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servematrix.deploy.layout import Slot, slots
 from servematrix.engine.hardware import DEFAULT_GPU
 from servematrix.matrix import Cell
 
@@ -406,24 +407,22 @@ def _ranges(cores: list[int]) -> str:
     return ",".join(parts)
 
 
-def _server_argv(
-    recipe: Recipe, cell: Cell, emulated: bool, port: int, role: str | None, host: str
-) -> list[str]:
+def _server_argv(recipe: Recipe, cell: Cell, emulated: bool, slot: Slot, host: str) -> list[str]:
     command = server_command(recipe, cell)
     # The emulator takes the model where the recipe's own executable does.
     conditions = _conditions(cell, recipe.executable if emulated else command)
     values: dict[str, Any] = {
         "model": cell.model.hf_id,
-        "port": port,
-        "tp": cell.model.tensor_parallel,
+        "port": slot.port,
+        "tp": slot.tp,
         "max_model_len": cell.serving.max_model_len,
         "gpu_memory_utilization": _number(cell.serving.gpu_memory_utilization),
         "protocol": cell.mode.kv_protocol,
         # engine.kv_buffer_size: the v0 producer's lookup buffer, for vLLM and the emulator alike
         "kv_buffer_size": _scientific(float(cell.engine.get("kv_buffer_size", 2e9))),
     }
-    if role is not None:
-        config = _fill(recipe.kv_transfer_config[role], values)
+    if slot.kv_role is not None:
+        config = _fill(recipe.kv_transfer_config[slot.kv_role], values)
         values["kv_transfer_config"] = _kv_json(config, values["kv_buffer_size"])
     argv = list(EMULATOR_EXECUTABLE if emulated else command)
     for segment in recipe.args:
@@ -501,27 +500,20 @@ def _etcd(host: str, port: int) -> Process:
     return Process("etcd", argv, {}, port, Health(_url(host, port) + "/health"), (), (peer,))
 
 
-def _server(
-    cell: Cell,
-    emulated: bool,
-    name: str,
-    port: int,
-    pins: tuple[int, ...],
-    role: str | None,
-) -> Process:
+def _server(cell: Cell, emulated: bool, slot: Slot) -> Process:
     """One vLLM (or emulator) instance: its argv, environment, pins and extra ports."""
     recipe = RECIPES[cell.recipe]
     ports, deploy = _settings(cell)
     env: dict[str, str] = {}
     extra: tuple[int, ...] = ()
-    tp = cell.model.tensor_parallel
+    tp, role, pins, port = slot.tp, slot.kv_role, slot.pins, slot.port
     if role is not None:
-        values = {"bootstrap_port": ports["bootstrap"]}
+        values = {"bootstrap_port": slot.bootstrap}
         env.update({k: v.format(**values) for k, v in recipe.disaggregated_env.items()})
         if role == "kv_producer":
             env.update({k: v.format(**values) for k, v in recipe.producer_env.items()})
             if recipe.producer_env:
-                extra = tuple(ports["bootstrap"] + rank for rank in range(tp))
+                extra = tuple(slot.bootstrap + rank for rank in range(tp))
         if recipe.etcd:
             base = ports["mooncake"] + (0 if role == "kv_producer" else MOONCAKE_DECODE_OFFSET)
             extra += _mooncake_ports(base, tp)
@@ -537,22 +529,29 @@ def _server(
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in pins)
     host = deploy["host"]
-    argv = _server_argv(recipe, cell, emulated, port, role, host)
-    return Process(name, tuple(argv), env, port, Health(_url(host, port) + "/health"), pins, extra)
+    argv = _server_argv(recipe, cell, emulated, slot, host)
+    health = Health(_url(host, port) + "/health")
+    return Process(slot.name, tuple(argv), env, port, health, pins, extra)
 
 
-def _proxy(cell: Cell, ports: Mapping[str, int], host: str) -> Process:
-    """The proxy in front of two instances: round-robin, or the recipe's disaggregated one."""
-    mode = cell.mode
-    prefill_url, decode_url = _url(host, ports["prefill"]), _url(host, ports["decode"])
+def _proxy(cell: Cell, instances: list[Slot], ports: Mapping[str, int], host: str) -> Process:
+    """The proxy in front of the instances: round-robin over them all, or the recipe's
+    disaggregated one over the lists of prefillers and decoders."""
     argv = [*PROXY_EXECUTABLE]
-    if not mode.disaggregated:
-        argv += ["round-robin", "--upstream", prefill_url, "--upstream", decode_url]
-    elif RECIPES[cell.recipe].disagg_proxy == "disagg-v0":
-        argv += ["disagg-v0", "--prefill", prefill_url, "--decode", decode_url]
+    if not cell.mode.disaggregated:
+        argv.append("round-robin")
+        for slot in instances:
+            argv += ["--upstream", _url(host, slot.port)]
     else:
-        argv += ["disagg-v1", "--prefill", prefill_url, str(ports["bootstrap"])]
-        argv += ["--decode", decode_url]
+        kind = RECIPES[cell.recipe].disagg_proxy
+        argv.append(kind)
+        for slot in instances:
+            if slot.kv_role == "kv_producer":
+                argv += ["--prefill", _url(host, slot.port)]
+                argv += [str(slot.bootstrap)] if kind == "disagg-v1" else []
+        for slot in instances:
+            if slot.kv_role == "kv_consumer":
+                argv += ["--decode", _url(host, slot.port)]
     argv += ["--port", str(ports["proxy"]), "--host", host]
     health = Health(_url(host, ports["proxy"]) + "/health")
     return Process("proxy", tuple(argv), {}, ports["proxy"], health)
@@ -568,20 +567,18 @@ def plan(cell: Cell, backend: str | None = None) -> Plan:
     ports, deploy = _settings(cell)
     host = deploy["host"]
     mode = cell.mode
-    pins = cell.instance_gpus
+    instances = slots(cell, ports)
     files: dict[str, str] = {}
     processes: list[Process] = []
-    if mode.instances == 1:
-        processes.append(_server(cell, emulated, "single", ports["single"], pins[0], None))
+    if len(instances) == 1:
+        processes.append(_server(cell, emulated, instances[0]))
         entry = ports["single"]
     else:
         if mode.disaggregated and recipe.etcd:
             processes.append(_etcd(host, ports["etcd"]))
             files["mooncake.json"] = mooncake_json(cell, ports, deploy)
-        roles = ("kv_producer", "kv_consumer") if mode.disaggregated else (None, None)
-        processes.append(_server(cell, emulated, "prefill", ports["prefill"], pins[0], roles[0]))
-        processes.append(_server(cell, emulated, "decode", ports["decode"], pins[1], roles[1]))
-        processes.append(_proxy(cell, ports, host))
+        processes += [_server(cell, emulated, slot) for slot in instances]
+        processes.append(_proxy(cell, instances, ports, host))
         entry = ports["proxy"]
     fingerprint = _fingerprint(backend, recipe.name, processes, files)
     return Plan(

@@ -13,9 +13,11 @@ finds no failing rate below it says so rather than reporting the ceiling as a ca
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from servematrix.engine.setup import EngineSetup
 from servematrix.engine.steptime import StepBatch
+from servematrix.topology import Topology
 
 
 def prefill_rps(setup: EngineSetup, input_len: int) -> float:
@@ -46,12 +48,15 @@ def decode_rps(setup: EngineSetup, input_len: int, output_len: int) -> float:
 
 
 def ceiling_rps(
-    setup: EngineSetup, input_len: int, output_len: int, instances: int, disaggregated: bool
+    setups: Sequence[EngineSetup], topology: Topology, input_len: int, output_len: int
 ) -> float:
-    """The deployment's ceiling: ``instances`` aggregated instances, or one prefill and the
-    rest decode instances when disaggregated."""
-    prefill = prefill_rps(setup, input_len)
-    decode = decode_rps(setup, input_len, output_len)
-    if disaggregated:
-        return min(prefill, (instances - 1) * decode)
-    return instances * min(prefill, decode)
+    """The deployment's ceiling: its aggregated instances, or the slower side of its prefill
+    and decode instances; ``setups`` is each role's engine (`role_engine_setups`)."""
+    if topology.disaggregated:
+        (prefill, decode), (prefill_role, decode_role) = setups, topology.roles
+        return min(
+            prefill_role.count * prefill_rps(prefill, input_len),
+            decode_role.count * decode_rps(decode, input_len, output_len),
+        )
+    (setup,), (role,) = setups, topology.roles
+    return role.count * min(prefill_rps(setup, input_len), decode_rps(setup, input_len, output_len))

@@ -265,6 +265,21 @@ def cell_engine_setup(cell: Cell, step_time: StepTimeModel | None = None) -> Eng
     return engine_setup(cell.model.architecture, EngineFlags.of_cell(cell), step_time)
 
 
+def role_engine_setups(
+    cell: Cell, setup: EngineSetup, step_time: StepTimeModel | None = None
+) -> list[EngineSetup]:
+    """Each role's engine in topology order: ``setup`` (the cell's own) at the model's TP,
+    else the model at the role's TP."""
+    return [
+        setup
+        if role.tp == cell.model.tensor_parallel
+        else cell_engine_setup(
+            replace(cell, model=replace(cell.model, tensor_parallel=role.tp)), step_time
+        )
+        for role in cell.topology.roles
+    ]
+
+
 def warn_fallback(
     model: str, gpu: str, tp: int, quantization: str, fallback: StepTimeFallback
 ) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
+from servematrix import topology
 from servematrix.findings.common import (
     CAPACITY_TITLE,
     Section,
@@ -190,6 +191,33 @@ def _winner_sentence(ranking: Ranking) -> str:
                 f"({fmt_rate(_per_gpu(second))})"
             )
     return text + "."
+
+
+def split_sentence(ranking: Ranking) -> str | None:
+    """The split question (a ``gpu_budget`` study, whose modes are topologies): the best
+    disaggregated topology against the best aggregated one (capacity per GPU), when the
+    ranking has both meeting the SLO."""
+    rows = [r for r in ranking.rows if r["capacity"] and r["mode"] == r["topology"]]
+    split = [r for r in rows if topology.parse(r["topology"]).disaggregated]
+    together = [r for r in rows if not topology.parse(r["topology"]).disaggregated]
+    if not (split and together):
+        return None
+    best_split, best_agg = split[0], together[0]
+    scope = f"For {ranking.label}, the" if ranking.label else "The"
+    unit = _unit(best_split)
+    if _per_gpu(best_split) > _per_gpu(best_agg):
+        return (
+            f"{scope} best split, {best_split['topology']} "
+            f"({fmt_rate(_per_gpu(best_split))} {unit} per GPU), has "
+            f"{fmt_margin(_per_gpu(best_split), _per_gpu(best_agg))} the best aggregated "
+            f"setup, {best_agg['topology']} ({fmt_rate(_per_gpu(best_agg))})."
+        )
+    return (
+        f"{scope} best aggregated setup, {best_agg['topology']} "
+        f"({fmt_rate(_per_gpu(best_agg))} {unit} per GPU), beats every disaggregated split: "
+        f"it has {fmt_margin(_per_gpu(best_agg), _per_gpu(best_split))} the best, "
+        f"{best_split['topology']} ({fmt_rate(_per_gpu(best_split))})."
+    )
 
 
 def _loser_sentence(ranking: Ranking) -> str | None:
@@ -371,6 +399,7 @@ def recommendation_section(
     else:
         body = [_winner_sentence(r) for r in ranks]
     rest = [
+        *((ESSENTIAL, split_sentence(r)) for r in ranks if question == "modes"),
         *((LOSER, _loser_sentence(r)) for r in ranks if question != "input_len"),
         (ESSENTIAL, agreement_sentence(ranks, question)),
         *((ESSENTIAL, confirmation_sentence(r.label, r.rows, _top(r))) for r in ranks),

@@ -45,8 +45,14 @@ from typing import Any
 import numpy as np
 
 from servematrix.datasets import dataset_of
+from servematrix.engine.instance import EngineInstance
 from servematrix.engine.kvcache import KvMemoryPlan
-from servematrix.engine.setup import DEFAULT_GPU, EngineSetup, cell_engine_setup
+from servematrix.engine.setup import (
+    DEFAULT_GPU,
+    EngineSetup,
+    cell_engine_setup,
+    role_engine_setups,
+)
 from servematrix.engine.steptime import StepTimeModel
 from servematrix.engine.transfer import NO_PROXY, ProxyHop
 from servematrix.matrix import Cell
@@ -156,25 +162,40 @@ def _simulate(
         TokenCounter.for_model(cell.model.hf_id) if dataset_of(workload.dataset).TOKENIZED else None
     )
     lengths = request_lengths(workload, counter)
-    instances = [setup.instance(workload.seed, index) for index in range(cell.mode.instances)]
+    setups = role_engine_setups(cell, setup, step_time)
+    instances = _instances(cell, setups)
     served = serve_or_refuse(
         cell.recipe, cell.serving.max_model_len, instances[0].scheduler.pool, lengths
     )
     driver: RoundRobin | Disaggregated
-    if cell.mode.disaggregated:
+    topology = cell.topology
+    if topology.disaggregated:
+        prefilling = topology.roles[0].count
         driver = Disaggregated(
-            cell, setup, instances[0], instances[1], lengths, served, pipelined=not one_queue
+            cell,
+            setups[-1],
+            instances[:prefilling],
+            instances[prefilling:],
+            lengths,
+            served,
+            pipelined=not one_queue,
         )
         try:
             records = driver.run(sends)
         except OrderTie:  # the pipelined run cannot order two events: run again on one queue
-            instances = [setup.instance(workload.seed, index) for index in range(2)]
+            instances = _instances(cell, setups)
             driver = Disaggregated(
-                cell, setup, instances[0], instances[1], lengths, served, pipelined=False
+                cell,
+                setups[-1],
+                instances[:prefilling],
+                instances[prefilling:],
+                lengths,
+                served,
+                pipelined=False,
             )
             records = driver.run(sends)
     else:
-        hop = NO_PROXY if cell.mode.instances == 1 else ProxyHop()
+        hop = NO_PROXY if topology.instances == 1 else ProxyHop()
         driver = RoundRobin(cell, instances, hop, lengths, served, turns)
         records = driver.run(sends)
     parameters = _parameters(cell, setup, driver)
@@ -183,7 +204,7 @@ def _simulate(
     if lengths.shared_prefix_tokens:
         parameters["shared_prefix_tokens"] = lengths.shared_prefix_tokens
     if cell.serving.prefix_caching:  # the instances that compute prompts (not a decode one)
-        computing = instances[:1] if cell.mode.disaggregated else instances
+        computing = instances[: topology.roles[0].count]
         parameters["prefix_cache_queries_tokens"] = sum(
             i.scheduler.prefix_queries_tokens for i in computing
         )
@@ -196,6 +217,14 @@ def _simulate(
         kv=setup.kv,
         peak_kv_blocks=[instance.scheduler.pool.peak_used_blocks for instance in instances],
     )
+
+
+def _instances(cell: Cell, setups: list[EngineSetup]) -> list[EngineInstance]:
+    """Fresh instances in topology order (prefill first), each seeded by its index."""
+    seed, roles = cell.workload.seed, cell.topology.roles
+    pairs = [(setup, role) for setup, role in zip(setups, roles, strict=True)]
+    per_instance = [setup for setup, role in pairs for _ in range(role.count)]
+    return [setup.instance(seed, index) for index, setup in enumerate(per_instance)]
 
 
 def _parameters(

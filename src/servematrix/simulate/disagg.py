@@ -1,10 +1,13 @@
-"""The disaggregated driver: prefill instance → proxy → KV transfer → decode instance.
+"""The disaggregated driver: prefill instances → proxy → KV transfer → decode instances.
 
-The disaggregated proxy sends a ``max_tokens=1`` copy of each request to the prefill instance
-and waits for it, then sends the request to the decode instance. With the ``v0`` recipe the
-decode instance receives the KV inside its forward pass (`servematrix.simulate.v0`); with
-``v1`` the KV moves asynchronously over a shared link and the request joins the decode batch
-when it has arrived (`servematrix.simulate.v1`, which also runs the pipelined passes)."""
+The proxy picks a prefill and a decode instance per request, round-robin over each side (as
+vLLM's disaggregated proxies do with their lists of prefillers and decoders). It sends a
+``max_tokens=1`` copy of each request to the prefill instance and waits for it, then sends the
+request to the decode instance. With the ``v0`` recipe (one of each) the decode instance
+receives the KV inside its forward pass (`servematrix.simulate.v0`); with ``v1`` the KV moves
+asynchronously over the decode instance's link, which its concurrent transfers share, and the
+request joins its decode batch when it has arrived (`servematrix.simulate.v1`, which also runs
+the pipelined passes)."""
 
 from __future__ import annotations
 
@@ -53,35 +56,41 @@ from servematrix.workload import RequestLengths
 
 
 class Disaggregated(V0Handoff, V1Handoff):
-    """Prefill instance → proxy → (KV transfer) → decode instance, on one event queue.
+    """Prefill instances → proxy → (KV transfer) → decode instances, on one event queue.
 
     ``pipelined`` (V1 without a concurrency cap) runs the measured requests in the two passes
-    of `servematrix.simulate.v1`, with the same result; False runs them on the one queue."""
+    of `servematrix.simulate.v1`, with the same result; False runs them on the one queue.
+    V0 (one producer, one consumer in vLLM 0.6) takes one instance per side."""
 
     def __init__(
         self,
         cell: Cell,
         setup: EngineSetup,
-        prefill: EngineInstance,
-        decode: EngineInstance,
+        prefills: list[EngineInstance],
+        decodes: list[EngineInstance],
         lengths: RequestLengths,
         served: Served,
         pipelined: bool = True,
     ):
+        if cell.recipe == "v0" and (len(prefills), len(decodes)) != (1, 1):
+            raise ValueError("the v0 Mooncake integration runs one prefill and one decode instance")
         self.cell = cell
         self.pipelined = pipelined and cell.recipe == "v1"
         self.generation = cell.recipe
         self.lengths = lengths
         self.requests = Requests(lengths, served)
-        self.prefill, self.decode = prefill, decode
+        self.prefills, self.decodes = prefills, decodes
         self.events = EventQueue()
         self.recording: UpstreamRecording | None = None
         """Set while the upstream pass of a pipelined run records (no decoder then)."""
         self.slots: ClientSlots | None = None
         """The simulated client's concurrency cap, if it can hold a request back."""
-        self._prefill_busy = self._decode_busy = False
-        self._prefill_until = 0.0  # when the prefill instance's step ends, while it is busy
-        self._link_event_at = inf
+        self._prefill_busy = [False] * len(prefills)
+        self._decode_busy = [False] * len(decodes)
+        self._prefill_until = [0.0] * len(prefills)  # when a prefill step ends, while busy
+        self._link_event_at = [inf] * len(decodes)
+        self._routed = 0  # requests the proxy has spread so far (round-robin on each side)
+        self._decoder_of: dict[int, int] = {}
         self._set_hops(setup)
         self._set_transfer(cell, setup, served)
         self._set_event_tables()
@@ -98,13 +107,14 @@ class Disaggregated(V0Handoff, V1Handoff):
     def _set_transfer(self, cell: Cell, setup: EngineSetup, served: Served) -> None:
         """The KV link and buffer, and per request id its sizes and V0 receive times
         (computed once per distinct prompt length)."""
-        tp = cell.model.tensor_parallel
+        tp = cell.topology.instance_roles[-1].tp  # the decoder's ranks pull the KV
         self.link_config = kv_link(
             cell.recipe, cell.mode.kv_protocol or "rdma", tp, cell.engine.get("kv_link")
         )
-        self.link = TransferLink(
-            self.link_config.wire_bytes_per_s, self.link_config.setup_ms * 1e-3
-        )
+        self.links = [
+            TransferLink(self.link_config.wire_bytes_per_s, self.link_config.setup_ms * 1e-3)
+            for _ in self.decodes
+        ]
         self.bytes_per_token_per_rank = kv_bytes_per_token_per_rank(setup.arch, tp, cell.recipe)
         self.bytes_per_prompt_token = self.bytes_per_token_per_rank * tp
         self.buffer = LookupBuffer(float(cell.engine.get("kv_buffer_size", V0_KV_BUFFER_BYTES)))
@@ -127,7 +137,7 @@ class Disaggregated(V0Handoff, V1Handoff):
         # V0 receives inside the decoder's step; V1 adds a transfer at least this long.
         shortest = min(self._input_lens)
         self._link_min_s = (
-            0.0 if cell.recipe == "v0" else self.link.duration_alone_s(per_length[shortest][0])
+            0.0 if cell.recipe == "v0" else self.links[0].duration_alone_s(per_length[shortest][0])
         )
 
     def _set_event_tables(self) -> None:
@@ -140,7 +150,7 @@ class Disaggregated(V0Handoff, V1Handoff):
             ARRIVE_DECODE: self._link_min_s,
             ARRIVE_TRANSFER: self._link_min_s,
             LINK: 0.0,
-            DECODE_DONE: 0.0,
+            DECODE_DONE: inf,  # another decoder's step: it changes no batch but its own
             RECEIVE_DONE: 0.0,
         }
         self._handlers = {
@@ -217,7 +227,8 @@ class Disaggregated(V0Handoff, V1Handoff):
         up = UpstreamRecording([t for t, _ in arrivals])
         self.recording = up if recording else None
         events, heap, handlers, pop = self.events, self.events.heap, self._handlers, heapq.heappop
-        prefill, decode, on_arrive = self.prefill, self.decode, self._on_arrive_prefill
+        prefills, decodes, on_arrive = self.prefills, self.decodes, self._on_arrive_prefill
+        prefill_busy, decode_busy = self._prefill_busy, self._decode_busy
         i = 0
         while True:
             arrival_at = arrivals[i][0]
@@ -227,7 +238,7 @@ class Disaggregated(V0Handoff, V1Handoff):
                 now = arrival_at
                 on_arrive(now, arrivals[i][1])
                 i += 1
-                if self._prefill_busy or self._prefill_blocked:
+                if self._prefill_blocked or all(prefill_busy):
                     # Nothing else can start: take the arrivals up to the next event at once.
                     until = heap[0][0] if heap else inf
                     while i < last and arrivals[i][0] <= until:
@@ -236,20 +247,25 @@ class Disaggregated(V0Handoff, V1Handoff):
             else:
                 now, _, kind, payload = pop(heap)
                 handlers[kind](now, payload)
-            if not (self._prefill_blocked or self._prefill_busy) and prefill.has_work():
-                # A prefill instance never has a decode run (its requests finish with their
-                # first token) nor receives KV: one step.
-                result = prefill.step()
-                self._prefill_until = now + result.duration_s
-                events.push(self._prefill_until, PREFILL_DONE, (now, result))
-                if self._receive is None:  # no V0 receive in flight to tell
-                    self._prefill_busy = True
-                else:
-                    self._set_prefill_busy(now, True)
-            if not recording and not self._decode_busy and decode.has_work():
-                # A waiting request rules out a decode run: no horizon needed then.
-                waiting = decode.scheduler.waiting
-                self._start_decode(now, now if waiting else self._decode_horizon(arrivals[i][0]))
+            for p, prefill in enumerate(prefills):
+                if not (self._prefill_blocked or prefill_busy[p]) and prefill.has_work():
+                    # A prefill instance never has a decode run (its requests finish with
+                    # their first token) nor receives KV: one step.
+                    result = prefill.step()
+                    self._prefill_until[p] = now + result.duration_s
+                    events.push(self._prefill_until[p], PREFILL_DONE, (p, now, result))
+                    if self._receive is None:  # no V0 receive in flight to tell
+                        prefill_busy[p] = True
+                    else:
+                        self._set_prefill_busy(now, True)
+            if recording:
+                continue
+            for d, decode in enumerate(decodes):
+                if not decode_busy[d] and decode.has_work():
+                    # A waiting request rules out a decode run: no horizon needed then.
+                    waiting = decode.scheduler.waiting
+                    horizon = now if waiting else self._decode_horizon(arrivals[i][0])
+                    self._start_decode(d, now, horizon)
         self.recording = None
         if self._inserting:
             raise RuntimeError(
@@ -259,29 +275,30 @@ class Disaggregated(V0Handoff, V1Handoff):
             )
         return up
 
-    def _start_decode(self, now: float, next_event: float) -> None:
-        """Start the idle decoder that has work: a run of pure decodes up to the next event
+    def _start_decode(self, d: int, now: float, next_event: float) -> None:
+        """Start idle decoder ``d`` that has work: a run of pure decodes up to the next event
         (which could change its batch) when it can, else one step; queue its completion."""
-        self._decode_busy = True
-        run = self.decode.decode_run(next_event - now)
+        self._decode_busy[d] = True
+        decode = self.decodes[d]
+        run = decode.decode_run(next_event - now)
         if run is not None:
-            self.events.push(now + run.step_ends_s[-1], DECODE_DONE, (now, run))
+            self.events.push(now + run.step_ends_s[-1], DECODE_DONE, (d, now, run))
             return
-        result = self.decode.step()
+        result = decode.step()
         if result.num_received:
             self._received(now, result)
         else:
-            self.events.push(now + result.duration_s, DECODE_DONE, (now, result))
+            self.events.push(now + result.duration_s, DECODE_DONE, (d, now, result))
 
     def _decode_horizon(self, next_arrival: float) -> float:
         """Earliest time an event could change the decode batch: a decode run may go on until
         then. Only a request joining the decoder changes its batch; prefill-side events lead
         to one no sooner than the proxy hop (and, in V1, a transfer with the link to itself)
         later, so a decode run need not stop at each of them. An arrival counts only while
-        the prefill instance is idle: while it is busy, its completion event bounds them all.
+        some prefill instance is idle: while all are busy, their completion events bound them.
         The decoder's steps are the same either way; only the runs that sum them differ."""
         to_decoder = self._decode_hop_s + self._link_min_s
-        horizon = inf if self._prefill_busy else next_arrival + to_decoder
+        horizon = inf if all(self._prefill_busy) else next_arrival + to_decoder
         leads = self._event_leads
         for time, _, kind, _ in self.events.heap:
             if time + leads[kind] < horizon:
@@ -290,24 +307,32 @@ class Disaggregated(V0Handoff, V1Handoff):
 
     def _on_arrive_prefill(self, now: float, request_id: int) -> None:
         request = self._copies[request_id]
+        p = self._route(request_id)  # a refused request too: the proxy forwarded it
         if request is None:
             # Refused (the error text says what the client saw): nothing reaches an engine.
             if self.slots is not None:  # the slot frees when the answer is back
                 self.events.push(now + self._hop_in_s, SLOT_FREED, None)
             return
         # How long before the prefill step ends it reached the API server (0 if idle).
-        waited_ms = (self._prefill_until - now) * 1e3 if self._prefill_busy else 0.0
-        self.prefill.add_request(request, waited_ms)
+        waited_ms = (self._prefill_until[p] - now) * 1e3 if self._prefill_busy[p] else 0.0
+        self.prefills[p].add_request(request, waited_ms)
 
-    def _on_prefill_done(self, now: float, payload: tuple[float, StepResult]) -> None:
+    def _route(self, request_id: int) -> int:
+        """The proxy's choice for a request: the next prefill and the next decode instance,
+        round-robin on each side; returns the prefill instance."""
+        k, self._routed = self._routed, self._routed + 1
+        self._decoder_of[request_id] = k % len(self.decodes)
+        return k % len(self.prefills)
+
+    def _on_prefill_done(self, now: float, payload: tuple[int, float, StepResult]) -> None:
+        p, started, result = payload
         if self._receive is None:  # no V0 receive in flight to tell
-            self._prefill_busy = False
+            self._prefill_busy[p] = False
         else:
             self._set_prefill_busy(now, False)
-        started, result = payload
         recording = self.recording
         if recording is not None:
-            recording.steps.append((started, now))
+            recording.steps.append((started, now, p))
         finished = [request.request_id for request in result.finished]
         if self.generation == "v0":
             self._inserting.extend(finished)
@@ -317,9 +342,11 @@ class Disaggregated(V0Handoff, V1Handoff):
             if recording is not None:
                 recording.transfers.append((now, now + self._decode_hop_s))
 
-    def _on_decode_done(self, now: float, payload: tuple[float, StepResult | DecodeRun]) -> None:
-        self._decode_busy = False
-        started, result = payload
+    def _on_decode_done(
+        self, now: float, payload: tuple[int, float, StepResult | DecodeRun]
+    ) -> None:
+        d, started, result = payload
+        self._decode_busy[d] = False
         chunks = self.chunks
         emit_chunks(chunks, started, now, result, self._chunk_hop_s)
         if self.slots is not None:  # a slot frees when the last chunk reaches the client

@@ -87,7 +87,7 @@ class V0Handoff:
     def _on_arrive_decode(self: Disaggregated, now: float, request_id: int) -> None:
         """The request reaches the decoder, which receives its KV in its next step."""
         self._awaiting_receive.add(request_id)
-        self.decode.add_request(
+        self.decodes[0].add_request(
             self.requests.keep(
                 Request(
                     request_id,
@@ -120,8 +120,8 @@ class V0Handoff:
         under the old state, and its end is queued again under the new one."""
         receive = self._receive
         if receive is not None:
-            receive.advance(now, self._prefill_busy)
-        self._prefill_busy = busy
+            receive.advance(now, self._prefill_busy[0])
+        self._prefill_busy[0] = busy
         if receive is not None:
             self._schedule_receive()
 
@@ -129,7 +129,7 @@ class V0Handoff:
         receive = self._receive
         assert receive is not None
         receive.version += 1
-        end = receive.end_s(self._prefill_busy)
+        end = receive.end_s(self._prefill_busy[0])
         if end < inf:
             self.events.push(end, RECEIVE_DONE, receive.version)
 
@@ -138,7 +138,7 @@ class V0Handoff:
         if receive is None or version != receive.version:
             return  # superseded: the producer started or ended a step since it was queued
         self._receive = None
-        self._on_decode_done(now, (receive.started, receive.result))
+        self._on_decode_done(now, (0, receive.started, receive.result))
         # drop_select removed the entries from the producer's buffer.
         self.buffer.release(receive.released_bytes)
         if self._prefill_blocked:

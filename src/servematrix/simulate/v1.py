@@ -34,13 +34,13 @@ class OrderTie(Exception):
 
 @dataclass
 class UpstreamRecording:
-    """What the upstream pass recorded: arrival times at the prefill instance (sorted, ending
-    with inf), the prefill steps (start, end), the batches sent to the decoder and the link's
-    events (time queued, time due), and the requests joining the decoder (time, request ids)
-    in event order."""
+    """What the upstream pass recorded: arrival times at the prefill instances (sorted, ending
+    with inf), the prefill steps (start, end, prefill instance) in the order they ended, the
+    batches sent to the decoders and the links' events (time queued, time due), and the
+    requests joining a decoder (time, request ids) in event order."""
 
     arrivals: list[float]
-    steps: list[tuple[float, float]] = field(default_factory=list)
+    steps: list[tuple[float, float, int]] = field(default_factory=list)
     transfers: list[tuple[float, float]] = field(default_factory=list)
     link_events: list[tuple[float, float]] = field(default_factory=list)
     joins: list[tuple[float, list[int]]] = field(default_factory=list)
@@ -49,15 +49,18 @@ class UpstreamRecording:
         """Every time an upstream event happened (events are also queued at such times)."""
         return {
             *self.arrivals,
-            *(end for _, end in self.steps),
+            *(end for _, end, _ in self.steps),
             *(due for _, due in self.transfers),
             *(due for _, due in self.link_events),
         }
 
-    def horizon(self, to_decoder_s: float, link_min_s: float) -> Callable[[float], float]:
+    def horizon(
+        self, to_decoder_s: float, link_min_s: float, prefillers: int
+    ) -> Callable[[float], float]:
         """`Disaggregated._decode_horizon` as a function of the time (non-decreasing from call
-        to call, and never an upstream event's time): the prefill instance's next step end, or
-        its next arrival while it is idle, plus ``to_decoder_s``; the first batch on its way to
+        to call, and never an upstream event's time): the busy prefill instances' next step
+        end, or the next arrival while one of the ``prefillers`` is idle, plus
+        ``to_decoder_s``; the first batch on its way to
         the decoder's arrival plus ``link_min_s``; the link's earliest queued event."""
         arrivals, steps, transfers, link_events = (
             self.arrivals,
@@ -73,12 +76,21 @@ class UpstreamRecording:
             p, a, q, k = at
             while p < n_steps and steps[p][1] < now:
                 p += 1
-            if p < n_steps and steps[p][0] < now:  # busy: its completion event is queued
-                value = steps[p][1] + to_decoder_s
-            else:
+            value, busy, seen, j = inf, 0, set(), p
+            # Each prefill instance's first step not ended yet: busy if it has started (its
+            # completion event is queued); the first busy one ends first (steps end in order).
+            while j < n_steps and len(seen) < prefillers:
+                start, end, who = steps[j]
+                if who not in seen:
+                    seen.add(who)
+                    if start < now:
+                        busy += 1
+                        value = min(value, end + to_decoder_s)
+                j += 1
+            if busy < prefillers:
                 while arrivals[a] < now:
                     a += 1
-                value = arrivals[a] + to_decoder_s
+                value = min(value, arrivals[a] + to_decoder_s)
             while q < n_transfers and transfers[q][1] < now:
                 q += 1
             if q < n_transfers and transfers[q][0] < now and transfers[q][1] + link_min_s < value:
@@ -104,37 +116,43 @@ class V1Handoff:
 
         One event for the batch: events at one time run back to back, and starting a
         transfer changes neither instance, so nothing could happen between them."""
-        transfer_bytes = self._transfer_bytes
+        transfer_bytes, decoder_of = self._transfer_bytes, self._decoder_of
+        pulling = []
         for request_id in request_ids:
-            self.link.start(now, request_id, transfer_bytes[request_id])
-        self._schedule_link(now)
+            d = decoder_of[request_id]
+            self.links[d].start(now, request_id, transfer_bytes[request_id])
+            if d not in pulling:
+                pulling.append(d)
+        for d in pulling:
+            self._schedule_link(now, d)
 
-    def _on_link(self: Disaggregated, now: float, payload: None) -> None:
-        if now != self._link_event_at:
+    def _on_link(self: Disaggregated, now: float, d: int) -> None:
+        """Decoder ``d``'s link: transfers complete and their requests join it."""
+        if now != self._link_event_at[d]:
             return  # superseded by a sooner event: acting on it would push a duplicate
-        self._link_event_at = inf
-        done = self.link.advance(now)
+        self._link_event_at[d] = inf
+        done = self.links[d].advance(now)
         if done:
             request_ids = [request_id for _, request_id in done]
             if self.recording is None:
-                self._join_decoder(request_ids)
+                self._join_decoder(d, request_ids)
             else:
                 self.recording.joins.append((now, request_ids))
-        self._schedule_link(now)
+        self._schedule_link(now, d)
 
-    def _schedule_link(self: Disaggregated, now: float) -> None:
-        nxt = self.link.next_event_s()
-        if nxt < self._link_event_at:
-            self._link_event_at = nxt
-            self.events.push(nxt, LINK, None)
+    def _schedule_link(self: Disaggregated, now: float, d: int) -> None:
+        nxt = self.links[d].next_event_s()
+        if nxt < self._link_event_at[d]:
+            self._link_event_at[d] = nxt
+            self.events.push(nxt, LINK, d)
             if self.recording is not None:
                 self.recording.link_events.append((now, nxt))
 
-    def _join_decoder(self: Disaggregated, request_ids: list[int]) -> None:
-        """Requests whose KV has arrived join the decoder: all prompt KV is present, and the
+    def _join_decoder(self: Disaggregated, d: int, request_ids: list[int]) -> None:
+        """Requests whose KV has arrived join decoder ``d``: all prompt KV is present, and the
         decoder recomputes the last prompt token to sample the first output token."""
         input_lens, output_lens = self._input_lens, self._output_lens
-        add, made = self.decode.add_request, self.requests.made
+        add, made = self.decodes[d].add_request, self.requests.made
         for request_id in request_ids:
             input_len = input_lens[request_id]
             request = Request(request_id, input_len, output_lens[request_id], input_len - 1)
@@ -142,13 +160,26 @@ class V1Handoff:
             add(request)
 
     def _decode_pass(self: Disaggregated, up: UpstreamRecording) -> None:
-        """The decoder after the upstream pass: requests join at the recorded times, and a
-        decode run may go on until the horizon `_decode_horizon` would give on the full queue."""
-        decode, chunks, hop, join = self.decode, self.chunks, self._chunk_hop_s, self._join_decoder
-        waiting = decode.scheduler.waiting
+        """The decoders after the upstream pass, one after the other (nothing flows between
+        them): requests join at the recorded times, and a decode run may go on until the
+        horizon `_decode_horizon` would give on the full queue."""
         upstream_times = up.times()
-        horizon_at = up.horizon(self._event_leads[PREFILL_DONE], self._link_min_s)
-        joins = up.joins
+        for d in range(len(self.decodes)):
+            mine = [join for join in up.joins if self._decoder_of[join[1][0]] == d]
+            self._decoder_pass(d, up, mine, upstream_times)
+
+    def _decoder_pass(
+        self: Disaggregated,
+        d: int,
+        up: UpstreamRecording,
+        joins: list[tuple[float, list[int]]],
+        upstream_times: set[float],
+    ) -> None:
+        decode, chunks, hop = self.decodes[d], self.chunks, self._chunk_hop_s
+        waiting = decode.scheduler.waiting
+        horizon_at = up.horizon(
+            self._event_leads[PREFILL_DONE], self._link_min_s, len(self.prefills)
+        )
         joins.append((inf, []))  # sentinel
         j = 0
         done_at, started = inf, 0.0  # done_at inf: the decoder is idle
@@ -161,7 +192,7 @@ class V1Handoff:
                 if join_at == done_at:
                     raise OrderTie
                 now = join_at
-                join(joins[j][1])
+                self._join_decoder(d, joins[j][1])
                 j += 1
                 if done_at < inf:
                     continue  # busy: they wait for the next step
