@@ -177,9 +177,11 @@ def test_a_bad_budget_names_its_key(study, key_path, words):
 
 
 def test_the_recommendation_names_the_split_and_its_margin_over_aggregated():
-    def row(spelling, per_gpu):
+    def row(spelling, per_gpu, spread=0.01):
         gpus = parse(spelling).gpus
         return {"mode": spelling, "topology": spelling, "capacity": per_gpu * gpus,
+                "capacity_lo": per_gpu * gpus * (1 - spread),
+                "capacity_hi": per_gpu * gpus * (1 + spread),
                 "gpus": gpus, "capacity_unit": "req/s"}  # fmt: skip
 
     split = Ranking("", "mode", [row("2P(TP2)+1D(TP4)", 1.5), row("4x(TP2)", 1.2)])
@@ -189,6 +191,11 @@ def test_the_recommendation_names_the_split_and_its_margin_over_aggregated():
     )
     named = Ranking("", "mode", [{**r, "mode": "chunked"} for r in split.rows])
     assert split_sentence(named) is None
+    noisy = Ranking("", "mode", [row("2P(TP2)+1D(TP4)", 1.5, 0.2), row("4x(TP2)", 1.2, 0.2)])
+    assert split_sentence(noisy) == (
+        "The best split, 2P(TP2)+1D(TP4), and the best aggregated setup, 4x(TP2), are the same "
+        "within noise ([1.2, 1.8] vs [0.96, 1.44] req/s per GPU)."
+    )
 
 
 def vllm_plan(spelling: str):

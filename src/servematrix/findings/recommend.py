@@ -205,6 +205,12 @@ def split_sentence(ranking: Ranking) -> str | None:
     best_split, best_agg = split[0], together[0]
     scope = f"For {ranking.label}, the" if ranking.label else "The"
     unit = _unit(best_split)
+    if _tied(best_split, best_agg):
+        return (
+            f"{scope} best split, {best_split['topology']}, and the best aggregated setup, "
+            f"{best_agg['topology']}, are the same within noise ({_interval(best_split)} vs "
+            f"{_interval(best_agg)} {unit} per GPU)."
+        )
     if _per_gpu(best_split) > _per_gpu(best_agg):
         return (
             f"{scope} best split, {best_split['topology']} "
