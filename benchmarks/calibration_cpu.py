@@ -214,14 +214,17 @@ def table(rows: list[tuple[HeldOut, float, metrics.CellMetrics, metrics.CellMetr
     return "\n".join(lines)
 
 
-def summary(rows: list, ratio: float) -> str:
+def summary(rows: list, predicted: float, measured: float) -> str:
+    """The last line; a measured capacity of 0 (no probe met the SLO) makes the ratio inf."""
+
     def mape(field: str) -> float:
         return sum(ape(getattr(p, field), getattr(m, field)) for _, _, p, m in rows) / len(rows)
 
+    ratio = f"{predicted / measured:.2f}" if measured else "inf (no measured probe met the SLO)"
     return (
         f"held-out cells: {len(rows)}; MAPE mean TTFT {mape('mean_ttft_ms'):.1f} %, "
         f"mean TPOT {mape('mean_tpot_ms'):.1f} %, mean E2E {mape('mean_e2el_ms'):.1f} %; "
-        f"capacity predicted/measured {ratio:.2f}"
+        f"capacity predicted/measured {ratio}"
     )
 
 
@@ -281,7 +284,7 @@ def main() -> None:
     print(describe(docs["simulator"]))
     print(describe(docs["external"]))
     print(f"\n{table(rows)}\n\nload average {os.getloadavg()}")
-    print(summary(rows, docs["simulator"]["capacity"] / docs["external"]["capacity"]))
+    print(summary(rows, docs["simulator"]["capacity"], docs["external"]["capacity"]))
 
 
 def show_profile(path: Path) -> None:
