@@ -38,6 +38,7 @@ from servematrix.engine.profile import TERMS, read_profile
 SERVED = "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4"
 BIN = Path(sys.executable).parent
 HELD_OUT = [Probe("prefill", 768, 1, 8), Probe("decode", 512, 8, 32)]
+"""A prompt length and a batch the probe set does not use."""
 
 
 def wait_listening(port: int, process: subprocess.Popen, timeout_s: float = 60.0) -> None:

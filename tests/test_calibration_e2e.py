@@ -8,31 +8,25 @@ the tests check what was written and what it covers."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
-import statistics
 import subprocess
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from servematrix.calibration.probes import Probe
-from servematrix.calibration.run import Settings, probe_server
-from servematrix.engine.architecture import load_architecture
 from servematrix.engine.profile import read_profile
+from tests.benchmark_modules import load
 from tests.conftest import SMALL_CONFIG
 from tests.test_emulator_e2e import emulator
 from tests.workflow_helpers import copy_workflow, snakemake
 
 pytestmark = pytest.mark.slow
 
-SERVED = "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4"  # the emulator module's model
+(bench,) = load("calibration_emulator")  # its held-out probes, and their medians measured
+SERVED = bench.SERVED  # the emulator module's model
 CALIBRATE = str(Path(sys.executable).with_name("servematrix"))
-HELD_OUT = [Probe("prefill", 768, 1, 8), Probe("decode", 512, 8, 32)]
-"""A prompt length and a batch the probe set does not use."""
 
 
 def calibrate(url: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -60,27 +54,13 @@ def calibrate(url: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
     )
 
 
-def measured_medians(url: str) -> dict[tuple[str, str], tuple[float, tuple[float, ...]]]:
-    """Median time of each held-out probe's rows over three runs, with its features."""
-    vocab_size = load_architecture("qwen2.5-7b").vocab_size
-    settings = Settings(url, SERVED, vocab_size, repeats=3, seed=99)
-    _, rows = asyncio.run(probe_server(settings, HELD_OUT, lambda line: None))
-    groups = defaultdict(list)
-    for row in rows:
-        groups[(row.probe, row.quantity)].append(row)
-    return {
-        key: (statistics.median(r.seconds for r in group), group[0].features())
-        for key, group in groups.items()
-    }
-
-
 def test_calibrate_the_emulator_and_predict_held_out_probes(tmp_path):
     out = tmp_path / "profile.yaml"
     with emulator("--max-model-len", "4096") as (url, _):
         done = calibrate(url, out)
         assert done.returncode == 0, done.stderr
         profile = read_profile(out)
-        held_out = measured_medians(url)
+        held_out = bench.held_out_medians(url, repeats=3)
     assert profile.provenance.server_version and profile.provenance.probes >= 28
     assert profile.provenance.server_metrics  # the emulator exports vLLM's request histograms
     assert profile.residuals is not None and profile.residuals.observations >= 28

@@ -171,28 +171,19 @@ def _simulate(
     topology = cell.topology
     if topology.disaggregated:
         prefilling = topology.roles[0].count
-        driver = Disaggregated(
-            cell,
-            setups[-1],
-            instances[:prefilling],
-            instances[prefilling:],
-            lengths,
-            served,
-            pipelined=not one_queue,
-        )
+
+        def disaggregated(instances: list[EngineInstance], pipelined: bool) -> Disaggregated:
+            prefill, decode = instances[:prefilling], instances[prefilling:]
+            return Disaggregated(
+                cell, setups[-1], prefill, decode, lengths, served, pipelined=pipelined
+            )
+
+        driver = disaggregated(instances, not one_queue)
         try:
             records = driver.run(sends)
         except OrderTie:  # the pipelined run cannot order two events: run again on one queue
-            instances = _instances(cell, setups)
-            driver = Disaggregated(
-                cell,
-                setups[-1],
-                instances[:prefilling],
-                instances[prefilling:],
-                lengths,
-                served,
-                pipelined=False,
-            )
+            instances = _instances(cell, setups)  # what the results below read
+            driver = disaggregated(instances, False)
             records = driver.run(sends)
     else:
         hop = NO_PROXY if topology.instances == 1 else ProxyHop()
@@ -222,8 +213,9 @@ def _simulate(
 def _instances(cell: Cell, setups: list[EngineSetup]) -> list[EngineInstance]:
     """Fresh instances in topology order (prefill first), each seeded by its index."""
     seed, roles = cell.workload.seed, cell.topology.roles
-    pairs = [(setup, role) for setup, role in zip(setups, roles, strict=True)]
-    per_instance = [setup for setup, role in pairs for _ in range(role.count)]
+    per_instance = [
+        setup for setup, role in zip(setups, roles, strict=True) for _ in range(role.count)
+    ]
     return [setup.instance(seed, index) for index, setup in enumerate(per_instance)]
 
 
