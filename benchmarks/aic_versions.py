@@ -30,8 +30,8 @@ from pathlib import Path
 
 import polars as pl
 
+from servematrix.common.files import cache_root
 from servematrix.engine.hardware import gpu_spec
-from servematrix.files import cache_root
 
 WHEELS = {"0.4.0": "aiconfigurator-0.4.0-py3-none-any.whl",
           "0.10.0": "aiconfigurator-0.10.0-cp310-abi3-manylinux_2_28_x86_64.whl"}  # fmt: skip

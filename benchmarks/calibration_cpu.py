@@ -40,12 +40,14 @@ from pathlib import Path
 
 from real_vllm_chat import exit_on_sigterm, free_port
 
-from servematrix import capacity_run, config, metrics
-from servematrix.cell import run_cell
+from servematrix.backends.cell import run_cell
+from servematrix.capacity import run as capacity_run
 from servematrix.deploy import recipes
 from servematrix.deploy.supervise import Deployment, wait_quiet
 from servematrix.engine.profile import TERMS, read_profile
-from servematrix.matrix import Cell
+from servematrix.results import metrics
+from servematrix.spec import config
+from servematrix.spec.matrix import Cell
 from servematrix.vllmcpu import env
 
 VLLM_CORE, CLIENT_CORE = 0, 1

@@ -27,7 +27,8 @@ import os
 import tempfile
 import time
 
-from servematrix import capacity_run, steady
+from servematrix.capacity import run as capacity_run
+from servematrix.results import steady
 from servematrix.workflow import check_config
 
 CONFIG = {

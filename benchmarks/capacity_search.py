@@ -1,6 +1,6 @@
 """Capacity search over every deployment of a config: probes and wall time per deployment.
 
-Runs ``servematrix.capacity_run.search_deployment`` for every deployment of every study (each
+Runs ``servematrix.capacity.run.search_deployment`` for every deployment of every study (each
 deployment once, as the workflow does) in a fresh scratch directory, so every probe is a new
 cell (nothing cached), one process, one thread. Prints one row per deployment (study, model,
 mode, input length, capacity per GPU and the bracket it was found in, its interval (the
@@ -30,8 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from servematrix import capacity_run, config
-from servematrix.matrix import Config
+from servematrix.capacity import run as capacity_run
+from servematrix.spec import config
+from servematrix.spec.matrix import Config
 from servematrix.workflow import check_config, stop_deployments
 
 

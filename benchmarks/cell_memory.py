@@ -10,7 +10,7 @@ The backends that send prompts (emulator, vllm, external) also hold the request 
 sends: its size per prompt token is measured with ``tracemalloc`` around
 ``servematrix.workload.build_requests``.
 
-``servematrix.config.cell_memory_bytes`` must stay above what this prints (it is the estimate
+``servematrix.spec.config.cell_memory_bytes`` must stay above what this prints (it is the estimate
 the config check compares with ``CELL_MEMORY_CEILING_BYTES``).
 
 Usage (from the repository root)::
@@ -30,15 +30,16 @@ from pathlib import Path
 
 import yaml
 
-from servematrix import config, workload
-from servematrix.config import CELL_MEMORY_CEILING_BYTES, cell_memory_bytes
+from servematrix import workload
+from servematrix.spec import config
+from servematrix.spec.config import CELL_MEMORY_CEILING_BYTES, cell_memory_bytes
 
 CHILD = """
 import dataclasses, json, resource, sys
 from pathlib import Path
 import yaml
-from servematrix import config
-from servematrix.cell import run_cell
+from servematrix.spec import config
+from servematrix.backends.cell import run_cell
 n, input_len, output_len, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 raw = yaml.safe_load(Path("config/config.yaml").read_text())
 raw["studies"] = {"m": {"recipe": "v0", "models": ["Qwen2.5-7B-Instruct"], "modes": ["single"],

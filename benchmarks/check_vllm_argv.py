@@ -22,10 +22,10 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from servematrix import config
-from servematrix.deploy.dryrun import find_cell
 from servematrix.deploy.recipes import plan
-from servematrix.matrix import MODES
+from servematrix.dryrun import find_cell
+from servematrix.spec import config
+from servematrix.spec.matrix import MODES
 
 
 def vllm_parser():

@@ -537,7 +537,7 @@ def run_ours(
     if done.returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:]
         return [], f"exit {done.returncode}: {' '.join(tail)}"
-    from servematrix.trace import read, read_metadata
+    from servematrix.spec.trace import read, read_metadata
 
     metadata = read_metadata(trace_path)
     origin = float(metadata["clock"]["origin_monotonic_s"])

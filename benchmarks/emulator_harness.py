@@ -17,15 +17,15 @@ import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from servematrix import loadgen
-from servematrix.cell import identity
-from servematrix.config import load_file
+from servematrix.backends.cell import identity
+from servematrix.client import loadgen
 from servematrix.deploy import plan
 from servematrix.deploy.supervise import Deployment, port_problem
 from servematrix.engine.architecture import load_architecture
-from servematrix.matrix import MODES, Cell, Serving, Workload
-from servematrix.metrics import CellMetrics, compute
-from servematrix.trace import RequestRecord, to_table
+from servematrix.results.metrics import CellMetrics, compute
+from servematrix.spec.config import load_file
+from servematrix.spec.matrix import MODES, Cell, Serving, Workload
+from servematrix.spec.trace import RequestRecord, to_table
 from servematrix.workload import build_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def _free_port() -> int:
 
 def emulate(cell: Cell) -> Emulation:
     """Start the cell's emulator deployment, drive the cell's seeded requests through its entry
-    point (the proxy, or the single instance) with ``servematrix.loadgen``, read every
+    point (the proxy, or the single instance) with ``servematrix.client.loadgen``, read every
     instance's request log, stop everything."""
     deployment_plan = plan(cell, "emulator")
     with tempfile.TemporaryDirectory(prefix="servematrix-emu-") as tmp:

@@ -2,7 +2,7 @@
 
 For Qwen2.5-7B-Instruct-GPTQ-Int4 (TP 1, modelled A100, mode ``single``) on both recipes, each
 case below runs the cell twice, as the workflow does: on backend ``emulator``
-(``servematrix.cell.run_cell``: a fresh deployment, the load generator, the trace) and on
+(``servematrix.backends.cell.run_cell``: a fresh deployment, the load generator, the trace) and on
 backend ``simulator``. It prints, per cell:
 
 * the exact peak of KV blocks in use, from the emulator's ``/servematrix/kv_cache`` (the
@@ -34,9 +34,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from emulator_harness import cell_for, table
 
-from servematrix import trace
-from servematrix.cell import run_cell
-from servematrix.matrix import Serving
+from servematrix.backends.cell import run_cell
+from servematrix.spec import trace
+from servematrix.spec.matrix import Serving
 
 MODEL = "Qwen2.5-7B-Instruct-GPTQ-Int4"
 DEFAULT = Serving(10_000, 0.8)

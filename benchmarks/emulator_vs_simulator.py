@@ -9,7 +9,7 @@ script
 2. starts the deployment the ``emulator`` backend would start (``benchmarks/emulator_harness``:
    ``servematrix.deploy.plan(cell, "emulator")``, a fresh ``servematrix-emulator``, so its jitter
    stream starts where the simulator's does: both seed it with (seed, instance 0)), drives the
-   same seeded workload through it with ``servematrix.loadgen`` (warm-up first, then the
+   same seeded workload through it with ``servematrix.client.loadgen`` (warm-up first, then the
    schedule), and reads the server's own timestamps from ``/servematrix/requests``;
 3. prints TTFT / TPOT / ITL mean, median and P99 with the ratio emulator / simulator,
    twice: as the client saw them, and from the emulator's own timestamps (request headers
@@ -50,12 +50,12 @@ from emulator_harness import (
     table,
 )
 
-from servematrix import loadgen
+from servematrix.client import loadgen
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import build_engine_setup
-from servematrix.matrix import Cell
 from servematrix.simulate import simulate
-from servematrix.trace import RequestRecord
+from servematrix.spec.matrix import Cell
+from servematrix.spec.trace import RequestRecord
 
 MODELS = ("Qwen2.5-72B-Instruct", "Qwen2.5-7B-Instruct-GPTQ-Int4")
 

@@ -9,7 +9,7 @@ Poisson arrivals, seed 0, this script
 2. starts the deployment the ``emulator`` backend would start (``benchmarks/emulator_harness``:
    ``servematrix.deploy.plan(cell, "emulator")`` run by ``servematrix.deploy.supervise``, every
    port free) and drives the same seeded requests through its entry point with
-   ``servematrix.loadgen``;
+   ``servematrix.client.loadgen``;
 3. prints TTFT / TPOT / ITL mean, median and P99 as simulator / emulator / ratio, twice:
    client-observed (the load generator's records through the real HTTP hops and proxy), and
    engine-side (from the first instance reading the request to the engine producing each token:
@@ -54,9 +54,9 @@ from emulator_harness import (
 )
 
 from servematrix.engine.transfer import ProxyHop
-from servematrix.matrix import MODES
 from servematrix.simulate import simulate
-from servematrix.trace import RequestRecord
+from servematrix.spec.matrix import MODES
+from servematrix.spec.trace import RequestRecord
 
 MODEL = "Qwen2.5-7B-Instruct-GPTQ-Int4"
 RECIPES = ("v0", "v1")

@@ -31,9 +31,9 @@ the band at seed 0, whether the published value lies inside the range the K runs
 miss is within the run-to-run variation of one 200-request run, not a model error.
 
 Validation rows at a finite request rate are simulated at the send times their published runs
-drew (`published_sends`: the published client's code and seed, `servematrix.schedule`), not at a
-fresh draw: 50 requests of one Poisson draw can arrive much more densely than another's. For
-them the seeds vary only the engine's step jitter.
+drew (`published_sends`: the published client's code and seed, `servematrix.workload.schedule`),
+not at a fresh draw: 50 requests of one Poisson draw can arrive much more densely than another's.
+For them the seeds vary only the engine's step jitter.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ from fidelity_validation import (
     validation_points,
 )
 
-from servematrix.matrix import MODES, Cell, ModelSpec, ModeSpec, Serving, Workload
-from servematrix.metrics import CellMetrics
+from servematrix.results.metrics import CellMetrics
+from servematrix.spec.matrix import MODES, Cell, ModelSpec, ModeSpec, Serving, Workload
 
 PUBLISHED_CSV = Path(__file__).resolve().parent / "data" / "mooncake_published.csv"
 MODEL = ModelSpec(

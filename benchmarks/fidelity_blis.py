@@ -33,7 +33,7 @@ import numpy as np
 from fidelity_points import Point, predict
 
 from servematrix.engine.setup import EngineFlags, plan_engine
-from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
+from servematrix.spec.matrix import MODES, Cell, ModelSpec, Serving, Workload
 
 CSV_PATH = Path(__file__).resolve().parent / "data" / "calibration_blis_h100.csv"
 SOURCE = "blis-h100"

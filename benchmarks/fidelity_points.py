@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from servematrix.cell import identity
-from servematrix.matrix import Cell
-from servematrix.metrics import CellMetrics, compute
+from servematrix.backends.cell import identity
+from servematrix.results.metrics import CellMetrics, compute
 from servematrix.simulate import simulate
-from servematrix.trace import RequestRecord, to_table
+from servematrix.spec.matrix import Cell
+from servematrix.spec.trace import RequestRecord, to_table
 
 BAND = (0.77, 1.3)
 FAMILIES = ("ttft", "tpot", "itl")

@@ -22,10 +22,10 @@ from typing import Any
 
 from fidelity_points import SERVE_METRICS, Point, predict
 
-from servematrix import schedule
-from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
-from servematrix.metrics import CellMetrics
-from servematrix.replay import BLOCK_TOKENS
+from servematrix.results.metrics import CellMetrics
+from servematrix.spec.matrix import MODES, Cell, ModelSpec, Serving, Workload
+from servematrix.workload import schedule
+from servematrix.workload.replay import BLOCK_TOKENS
 
 DATA = Path(__file__).resolve().parent / "data"
 VALIDATION_CSV = DATA / "validation_published.csv"
@@ -449,7 +449,7 @@ ITLs) at 47.68 s against the published duration of 47.71 s."""
 
 def published_sends(run: ValidationRun) -> list[Sequence[float]] | None:
     """The send times each published run of a finite-rate ``serve`` row drew, from its client's
-    code and seed (`servematrix.schedule`): the published input, not a fresh Poisson draw.
+    code and seed (`servematrix.workload.schedule`): the published input, not a fresh Poisson draw.
     None when every request goes at t = 0 (rate inf, with or without a concurrency cap).
     Raises ValueError for a finite-rate row whose client is not reconstructed."""
     if run.request_rate is None or run.request_rate == float("inf"):

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/loadgen_pacing.py [--qps 10 100 500] [--duration-s 10]
 
-Runs `servematrix.loadgen` in this process against ``benchmarks/fixed_latency_server.py``
+Runs `servematrix.client.loadgen` in this process against ``benchmarks/fixed_latency_server.py``
 (started here on a free port: first chunk after 5 ms, then a chunk every 2 ms) with the random
 dataset (1024-token prompts, 6 output tokens), Poisson arrivals, for each QPS, client
 (``senders.CLIENTS``: the default aiohttp session, or ``openai.AsyncOpenAI``) and pacing:
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from servematrix import loadgen
-from servematrix.matrix import Workload
+from servematrix.client import loadgen
+from servematrix.spec.matrix import Workload
 from servematrix.workload import build_requests
 
 HERE = Path(__file__).resolve().parent

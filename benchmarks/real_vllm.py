@@ -39,9 +39,9 @@ import numpy as np
 import pyarrow.parquet as pq
 from real_vllm_chat import exit_on_sigterm
 
-from servematrix import config
-from servematrix.cell import run_cell
+from servematrix.backends.cell import run_cell
 from servematrix.deploy import warm
+from servematrix.spec import config
 from servematrix.vllmcpu import env
 
 HISTOGRAMS = {

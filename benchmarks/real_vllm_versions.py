@@ -58,7 +58,7 @@ from real_vllm_chat import (
     wait_healthy,
 )
 
-from servematrix.files import cache_root
+from servematrix.common.files import cache_root
 from servematrix.vllmcpu import env
 
 TORCH_FAMILY = ("torch", "torchaudio", "torchvision", "torchcodec")

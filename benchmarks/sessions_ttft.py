@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
-from servematrix.sessions import Sessions
 from servematrix.simulate import simulate
+from servematrix.spec.matrix import MODES, Cell, ModelSpec, Serving, Workload
+from servematrix.workload.sessions import Sessions
 
 USERS, TURNS = 16, 6
 MODEL = ModelSpec("Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b", "bf16", 1, ((0,), (1,)))

@@ -32,7 +32,7 @@ DEFAULT_CONFIG = ROOT / "config" / "config.yaml"
 CHILD = r"""
 import json, sys, time
 from dataclasses import replace
-from servematrix.config import load_file
+from servematrix.spec.config import load_file
 from servematrix.simulate import simulate
 
 config_path, study, model, qps, large = sys.argv[1:6]

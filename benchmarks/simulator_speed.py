@@ -4,8 +4,8 @@ What is measured (issue 3, "What it must show"), all with ``time.perf_counter`` 
 one thread (``OMP/OPENBLAS/MKL_NUM_THREADS=1`` are set before numpy is imported; the simulator
 itself is single-threaded Python):
 
-1. **Imports**: ``import numpy``, ``servematrix.config``, ``servematrix.simulate`` (cold, as the
-   first cell of a fresh process pays them).
+1. **Imports**: ``import numpy``, ``servematrix.spec.config``, ``servematrix.simulate`` (cold, as
+   the first cell of a fresh process pays them).
 2. **Warm-up**: the first pass of ``servematrix.simulate.simulate`` over every distinct cell of the
    selected studies, as configured (200 requests per cell by default). It pays whatever is built
    once per process: step-time tables (built, or loaded from their disk cache), architectures, GPU
@@ -70,7 +70,7 @@ for _variable in THREAD_VARIABLES:  # before numpy is imported (it is, lazily, i
     os.environ[_variable] = "1"
 
 if TYPE_CHECKING:
-    from servematrix.matrix import Cell, Config
+    from servematrix.spec.matrix import Cell, Config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "config" / "config.yaml"
@@ -167,9 +167,9 @@ def _import_package() -> Imports:
 
     seconds["numpy"] = time.perf_counter() - start
     start = time.perf_counter()
-    from servematrix.config import load_file
+    from servematrix.spec.config import load_file
 
-    seconds["servematrix.config"] = time.perf_counter() - start
+    seconds["servematrix.spec.config"] = time.perf_counter() - start
     start = time.perf_counter()
     from servematrix.simulate import simulate
 

@@ -87,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_sweep:
         return kv_sweep()
 
-    from servematrix import config, replay
     from servematrix.simulate import simulate
-    from servematrix.workload import trace_window
+    from servematrix.spec import config
+    from servematrix.workload import replay, trace_window
 
     if not args.trace.is_file():
         print(f"trace file {args.trace} does not exist (give --trace)", file=sys.stderr)
@@ -136,9 +136,9 @@ KV_POOLS = (("A100-SXM4-80GB", 0.45), ("A100-SXM4-80GB", 0.9), ("H200-SXM-141GB"
 def kv_sweep() -> int:
     import yaml
 
-    from servematrix import config, replay
     from servematrix.simulate import simulate
-    from servematrix.workload import trace_window
+    from servematrix.spec import config
+    from servematrix.workload import replay, trace_window
 
     raw = yaml.safe_load((ROOT / "config" / "examples" / "mooncake-trace.yaml").read_text())
     name = next(iter(raw["studies"]))

@@ -1,7 +1,7 @@
 # One summary row per cell, per study: Parquet for machines, CSV for spreadsheets, HTML for the report.
 # Inside Snakemake, as the simulated cells (servematrix.workflow.in_process_job): a new process
 # would spend more on its imports than the summary takes.
-from servematrix.aggregate import summarize, write_summary
+from servematrix.results.aggregate import summarize, write_summary
 
 
 rule summarize:

@@ -1,10 +1,10 @@
 # Capacity at the SLO: per deployment (model × mode × recipe × workload), the highest request
 # rate sustained within the SLO, found by search; every probe is a steady-state cell at its
-# usual trace path (servematrix.capacity_run). A measured run starts each search from the
+# usual trace path (servematrix.capacity.run). A measured run starts each search from the
 # simulator's capacity for the same deployment, after the study's own cells (one deployment on
 # the GPUs at a time). The simulator's searches, seconds of CPU each, run in Snakemake's
 # worker processes, one per core (servematrix.workflow.worker_job).
-from servematrix.capacity_run import capacity_job, write_study_table
+from servematrix.capacity.run import capacity_job, write_study_table
 from servematrix.workflow import worker_job
 
 

@@ -6,14 +6,14 @@ import atexit
 import json
 
 from servematrix.backends import backend_of, conda_env
-from servematrix.cell import run_cell
+from servematrix.backends.cell import run_cell
 from servematrix.deploy.order import (
     deployment_group,
     deployment_groups,
     deployment_priority,
     pinned_gpu_count,
 )
-from servematrix.matrix import Cell
+from servematrix.spec.matrix import Cell
 from servematrix.workflow import stop_deployments, stop_jobs_on_interrupt
 
 

@@ -1,15 +1,17 @@
 # Validation, matrix expansion, input functions and wildcard constraints, all derived from
-# one validated config (servematrix.config). A bad config stops here, before any job.
+# one validated config (servematrix.spec.config). A bad config stops here, before any job.
 import functools
 import json
 import shlex
 import sys
 from pathlib import Path
 
-from servematrix import backends, capacity_run, matrix
+from servematrix import backends
+from servematrix.capacity import run as capacity_run
+from servematrix.spec import matrix
 from servematrix.calibration.cli import calibration_arguments
 from servematrix.engine.hardware import DEFAULT_GPU
-from servematrix.identity import cell_identity
+from servematrix.backends.identity import cell_identity
 from servematrix.workflow import (
     fail_on_config_error,
     in_process_job,
@@ -20,7 +22,7 @@ from servematrix.workflow import (
 # Snakemake's own `config` is not used: the workflow re-reads the config file (the
 # --configfile ones if given, else config/config.yaml, never both merged) with the same
 # loader and checks as `servematrix check`, then applies the --config overrides. RUN_CONFIG is
-# that validated config (servematrix.matrix.Config), PREDICTED its simulator twin.
+# that validated config (servematrix.spec.matrix.Config), PREDICTED its simulator twin.
 with fail_on_config_error():
     RUN_CONFIG = workflow_config(
         workflow.config_settings.configfiles,
@@ -49,8 +51,8 @@ config.update(RUN_CONFIG.raw)
 
 STUDIES = RUN_CONFIG.studies
 FIGURES = ("ttft", "tpot", "itl", "throughput", "memory")
-COMPARED_FIGURES = ("ttft", "tpot", "itl", "throughput")  # servematrix.compare.COMPARED_FIGURES
-# The workload's file name is spelled by servematrix.matrix.workload_token alone.
+COMPARED_FIGURES = ("ttft", "tpot", "itl", "throughput")  # servematrix.reporting.compare.COMPARED_FIGURES
+# The workload's file name is spelled by servematrix.spec.matrix.workload_token alone.
 CELL_PATTERN = "{recipe}/{model}/{mode}/{workload}"
 
 
@@ -155,7 +157,7 @@ def get_cell(wildcards, output):
 
 
 def get_cell_identity(wildcards):
-    """Every input of the cell's result (servematrix.identity), compared by Snakemake with the
+    """Every input of the cell's result (servematrix.backends.identity), compared by Snakemake with the
     last run's: a changed setting reruns exactly the cells it changes."""
     with fail_on_config_error():
         return cell_identity(config_of(wildcards.backend).cell_at(cell_path_of(wildcards)))
@@ -295,5 +297,5 @@ def get_capacity_settings(wildcards):
 
 
 def get_slo_ms(wildcards):
-    """Per-request goodput bounds (servematrix.slo)."""
+    """Per-request goodput bounds (servematrix.spec.slo)."""
     return RUN_CONFIG.slo.per_request_ms()

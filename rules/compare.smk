@@ -1,6 +1,6 @@
 # The simulator's predictions in the report: where every simulated study's step times came from
 # and, on a measured run (emulator, vllm, external), the simulator beside the measurement.
-from servematrix.steptimes import write_step_times
+from servematrix.reporting.steptimes import write_step_times
 
 
 rule step_time_sources:

@@ -2,7 +2,7 @@
 # (peak GPU memory, peak KV-cache usage) against x. Charts render inside Snakemake, as the
 # summaries do (rules/aggregate.smk): a job of its own process would spend more on its start and
 # imports (~1.5 s) than on the study's charts.
-from servematrix.figures import write_study_figures
+from servematrix.reporting.figures import write_study_figures
 
 
 rule figures:

@@ -1,7 +1,7 @@
 # Findings: the answer at the SLO first, then the study's comparisons as tables and sentences;
 # the answer's charts; the front page. All inside Snakemake, as the summaries.
-from servematrix.findings import write_findings
-from servematrix.overview import StudyInputs, write_answer_figures, write_overview
+from servematrix.reporting.findings import write_findings
+from servematrix.reporting.overview import StudyInputs, write_answer_figures, write_overview
 
 
 rule findings:

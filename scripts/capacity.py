@@ -1,6 +1,6 @@
 # Snakemake adapter: one deployment's capacity search on a measured backend (probes run in this
 # job, as cells); the simulator's searches run inside Snakemake (rules/capacity.smk).
-from servematrix.capacity_run import capacity_job
+from servematrix.capacity.run import capacity_job
 from servematrix.workflow import log_to
 
 log_to(snakemake.log[0])

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import polars as pl
 
-from servematrix.compare import write_comparison
+from servematrix.reporting.compare import write_comparison
 from servematrix.workflow import log_to
 
 log_to(snakemake.log[0])

@@ -13,8 +13,8 @@ if _SRC.is_dir() and str(_SRC) not in sys.path:
         p for p in (str(_SRC), os.environ.get("PYTHONPATH")) if p
     )
 
-from servematrix.cell import CellError, run_cell  # noqa: E402
-from servematrix.matrix import Cell  # noqa: E402
+from servematrix.backends.cell import CellError, run_cell  # noqa: E402
+from servematrix.spec.matrix import Cell  # noqa: E402
 from servematrix.workflow import interruption, log_to  # noqa: E402
 
 logger = log_to(snakemake.log[0])

@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from servematrix import aggregate, intervals, metrics, trace
+from servematrix.results import aggregate, intervals, metrics
+from servematrix.spec import trace
 
 
 def identity(

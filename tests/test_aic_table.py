@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from servematrix import trace
-from servematrix.cell import run_cell
+from servematrix.backends.cell import run_cell
 from servematrix.engine import aic_table
 from servematrix.engine import setup as engine_setup
 from servematrix.engine.aic_table import AicStepTime, StepTimeFallback, select_step_time_model
 from servematrix.engine.architecture import Architecture, load_architecture
 from servematrix.engine.setup import build_engine_setup
 from servematrix.engine.steptime import StepBatch
-from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
+from servematrix.spec import trace
+from servematrix.spec.matrix import MODES, Cell, ModelSpec, Serving, Workload
 
 A100 = "A100-SXM4-80GB"
 H100 = "H100-SXM5-80GB"

@@ -10,12 +10,13 @@ import pytest
 
 from servematrix import backends
 from servematrix.backends import BACKENDS, Backend
-from servematrix.matrix import ConfigError
+from servematrix.spec.matrix import ConfigError
 from servematrix.workflow import check_config
 from tests.conftest import ROOT
 
-SHARED = {"run", "served"}
-"""The package's modules that are not backends: what a run hands back, what servers share."""
+SHARED = {"run", "served", "cell", "identity", "prefixstats"}
+"""The package's modules that are not backends: what a run hands back, what servers share,
+running one cell, its identity, the prefix-cache hits it reports."""
 
 
 def _members() -> set[str]:
@@ -82,7 +83,7 @@ def test_the_deployments_a_recipe_builds_are_the_backends_that_deploy():
 
 def test_the_architecture_page_lists_every_module_of_the_package():
     page = (ROOT / "docs" / "architecture.md").read_text()
-    block = page.split("\nbackends/ ", 1)[1].split("\ntrace ", 1)[0]
+    block = page.split("\nbackends/\n", 1)[1].split("\nresults/\n", 1)[0]
     listed = {
         line.split()[0] for line in block.splitlines() if line.startswith("  ") and line[2] != " "
     }

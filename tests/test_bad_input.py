@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 import yaml
 
-from servematrix import cli, config
+from servematrix import cli
 from servematrix.engine import architecture
-from servematrix.matrix import ConfigError
+from servematrix.spec import config
+from servematrix.spec.matrix import ConfigError
 from servematrix.workflow import check_config
 from tests.conftest import ROOT, SMALL_CONFIG
 
@@ -356,8 +357,8 @@ def with_architecture(tmp_path: Path, value: str) -> Path:
 
 def test_a_local_config_json_is_simulated(tmp_path):
     """The local-path route for real: check, then one cell through the simulator."""
-    from servematrix.cell import run_cell
-    from servematrix.trace import read
+    from servematrix.backends.cell import run_cell
+    from servematrix.spec.trace import read
 
     cfg = config.load_file(with_architecture(tmp_path, str(LLAMA_1B)))
     cell = next(c for c in cfg.all_cells() if c.model.name == MODEL)

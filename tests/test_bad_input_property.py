@@ -14,9 +14,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from servematrix import cli, config
+from servematrix import cli
 from servematrix.engine import architecture
-from servematrix.matrix import MODES, WORKLOAD_TOKEN_PATTERN, Config
+from servematrix.spec import config
+from servematrix.spec.matrix import MODES, WORKLOAD_TOKEN_PATTERN, Config
 from tests.conftest import ROOT, SMALL_CONFIG
 from tests.workflow_helpers import copy_workflow, planned_jobs, snakemake
 

@@ -17,7 +17,7 @@ import polars as pl
 import pytest
 import yaml
 
-from servematrix import trace
+from servematrix.spec import trace
 from tests.conftest import ROOT, SMALL_CONFIG
 from tests.test_bad_input import ROWS, TEXT_ROWS, broken_text, config_text, expected_text_line
 from tests.workflow_helpers import copy_workflow, planned_jobs, snakemake

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import yaml
 
-from servematrix import cli, config, steptimes
+from servematrix import cli
 from servematrix.backends import backend_of
+from servematrix.backends.cell import run_cell
 from servematrix.calibration import cli as calibration_cli
 from servematrix.calibration.fit import FitError, fit_terms
 from servematrix.calibration.probes import (
@@ -26,8 +27,6 @@ from servematrix.calibration.probes import (
     server_observations,
 )
 from servematrix.calibration.run import ServerInfo
-from servematrix.cell import run_cell
-from servematrix.config import load, read_yaml
 from servematrix.deploy.recipes import emulator_flags
 from servematrix.engine.hardware import cpu_model
 from servematrix.engine.profile import (
@@ -41,6 +40,9 @@ from servematrix.engine.profile import (
 )
 from servematrix.engine.setup import build_engine_setup
 from servematrix.engine.steptime import StepBatch
+from servematrix.reporting import steptimes
+from servematrix.spec import config
+from servematrix.spec.config import load, read_yaml
 from tests.conftest import ROOT, SMALL_CONFIG
 
 TRUE = ProfileTerms(0.012, 6e-5, 4e-5, 9e-8, 0.004)

@@ -8,9 +8,12 @@ import math
 import pyarrow.compute as pc
 import pytest
 
-from servematrix import capacity, capacity_run, config, intervals, trace
+from servematrix import capacity
 from servematrix.capacity import Probe
-from servematrix.slo import Slo
+from servematrix.capacity import run as capacity_run
+from servematrix.results import intervals
+from servematrix.spec import config, trace
+from servematrix.spec.slo import Slo
 
 
 def edge_probe(edge: float, calls: list[float]):

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from servematrix import capacity_run, config, steady
-from servematrix.cell import CellError, run_cell
+from servematrix.backends.cell import CellError, run_cell
+from servematrix.capacity import run as capacity_run
 from servematrix.deploy.supervise import port_problem
-from servematrix.findings.recommend import rankings
-from servematrix.slo import Slo
+from servematrix.reporting.findings.recommend import rankings
+from servematrix.results import steady
+from servematrix.spec import config
+from servematrix.spec.slo import Slo
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,9 @@ import sys
 import pytest
 import yaml
 
-from servematrix import cli, trace
-from servematrix.trace import CellIdentity, RequestRecord
+from servematrix import cli
+from servematrix.spec import trace
+from servematrix.spec.trace import CellIdentity, RequestRecord
 
 IDENTITY = CellIdentity("simulator", "v0", "m", "single", "random", 2.0, 8, 3, 2, 0)
 

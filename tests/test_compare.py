@@ -13,9 +13,9 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from servematrix import compare, steptimes, trace
-from servematrix.cell import run_cell
-from servematrix.compare import (
+from servematrix.backends.cell import run_cell
+from servematrix.reporting import compare, steptimes
+from servematrix.reporting.compare import (
     COMPARED,
     COMPARED_FIGURES,
     comparison_figure,
@@ -23,8 +23,9 @@ from servematrix.compare import (
     ratios_html,
     summarize_ratios,
 )
-from servematrix.matrix import MODES, Cell, ConfigError, ModelSpec, Serving, Workload
-from servematrix.steptimes import SetupStepTimes, step_time_sentences, write_step_times
+from servematrix.reporting.steptimes import SetupStepTimes, step_time_sentences, write_step_times
+from servematrix.spec import trace
+from servematrix.spec.matrix import MODES, Cell, ConfigError, ModelSpec, Serving, Workload
 from servematrix.workflow import check_config, predicted_config
 from tests.conftest import SMALL_CONFIG
 from tests.workflow_helpers import copy_workflow, planned_jobs, snakemake, write_config

@@ -13,8 +13,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from servematrix.compare import COMPARED, COMPARED_FIGURES
 from servematrix.deploy.supervise import port_problem
+from servematrix.reporting.compare import COMPARED, COMPARED_FIGURES
 from tests.workflow_helpers import copy_workflow, snakemake
 
 pytestmark = pytest.mark.slow

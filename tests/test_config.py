@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from servematrix import config
-from servematrix.matrix import (
+from servematrix.spec import config
+from servematrix.spec.matrix import (
     MODES,
     WORKLOAD_TOKEN_PATTERN,
     Cell,
     ConfigError,
     wildcard_pattern,
 )
-from servematrix.topology import TOPOLOGY_PATTERN
+from servematrix.spec.topology import TOPOLOGY_PATTERN
 from servematrix.workflow import check_config
 from tests.conftest import ROOT
 

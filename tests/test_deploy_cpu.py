@@ -11,12 +11,12 @@ import time
 import pytest
 import yaml
 
-from servematrix import config
 from servematrix.backends import emulator
 from servematrix.deploy import gpulock, memory
 from servematrix.deploy.recipes import cpu_bind, plan
 from servematrix.deploy.supervise import DeployError
-from servematrix.matrix import ConfigError
+from servematrix.spec import config
+from servematrix.spec.matrix import ConfigError
 from servematrix.vllmcpu.tiny_model import VOCAB_SIZE
 from servematrix.workflow import check_config
 

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from servematrix import config
-from servematrix.deploy.dryrun import find_cell
 from servematrix.deploy.recipes import plan
+from servematrix.dryrun import find_cell
 from servematrix.emulator import cli as emulator_cli
 from servematrix.engine.scheduler import scheduler_config
-from servematrix.matrix import ConfigError
+from servematrix.spec import config
+from servematrix.spec.matrix import ConfigError
 
 M72 = "Qwen/Qwen2.5-72B-Instruct"
 V0_SERVER = "python3 -m vllm.entrypoints.openai.api_server"

@@ -23,10 +23,10 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from servematrix import config
 from servematrix.deploy.recipes import plan
 from servematrix.deploy.supervise import port_problem
 from servematrix.engine.hardware import gpu_spec
+from servematrix.spec import config
 from tests.workflow_helpers import cell_job, copy_workflow, start_snakemake
 
 pytestmark = pytest.mark.slow

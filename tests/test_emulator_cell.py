@@ -16,13 +16,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from servematrix import aggregate, trace
+from servematrix.backends.cell import run_cell
 from servematrix.backends.emulator import modelled_layout
-from servematrix.cell import run_cell
 from servematrix.deploy import warm
 from servematrix.deploy.recipes import plan
 from servematrix.deploy.supervise import port_problem
-from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
+from servematrix.results import aggregate
+from servematrix.spec import trace
+from servematrix.spec.matrix import MODES, Cell, ModelSpec, Serving, Workload
 
 pytestmark = pytest.mark.slow
 

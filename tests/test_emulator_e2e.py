@@ -20,7 +20,7 @@ import pytest
 
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import build_engine_setup
-from servematrix.matrix import Workload
+from servematrix.spec.matrix import Workload
 
 EMULATOR = str(Path(sys.executable).with_name("servematrix-emulator"))
 MODEL = "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4"
@@ -363,7 +363,7 @@ def write_lag_s(entry: dict) -> np.ndarray:
 
 
 def test_loadgen_against_the_emulator():
-    from servematrix import loadgen
+    from servematrix.client import loadgen
     from servematrix.workload import build_requests
 
     workload = Workload(

@@ -15,8 +15,8 @@ from servematrix.engine.host import (
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import build_engine_setup
 from servematrix.engine.steptime import StepBatch
-from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.simulate import simulate
+from servematrix.spec.matrix import MODES, Cell, ModelSpec, Serving, Workload
 
 
 class FixedStep:

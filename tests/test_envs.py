@@ -99,7 +99,8 @@ def test_the_cells_process_never_imports_what_a_server_environment_leaves_out():
 import json, sys
 from importlib import metadata
 before = set(sys.modules)
-import servematrix.cell, servematrix.loadgen, servematrix.proxy.cli, servematrix.workload
+import servematrix.backends.cell, servematrix.client.loadgen, servematrix.proxy.cli
+import servematrix.workload
 import servematrix.engine.architecture
 import servematrix.deploy.gpulock, servematrix.deploy.memory, servematrix.deploy.recipes
 import servematrix.deploy.supervise, servematrix.deploy.warm

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from servematrix.config import read_yaml
+from servematrix.spec.config import read_yaml
 from servematrix.workflow import check_config
 from tests.conftest import ROOT
 

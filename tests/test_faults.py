@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from servematrix import cli, config, loadgen, trace
-from servematrix.cell import run_cell
-from servematrix.progress import Progress
+from servematrix import cli
+from servematrix.backends.cell import run_cell
+from servematrix.client import loadgen
+from servematrix.client.progress import Progress
+from servematrix.spec import config, trace
 from servematrix.workload import build_requests
 from tests.test_loadgen_e2e import (
     BIN,
@@ -207,7 +209,10 @@ def test_the_first_byte_timeout_and_the_request_timeout_are_told_apart():
 
 def test_a_hung_warm_up_says_it_waits_then_gives_up_in_one_line(monkeypatch, caplog):
     monkeypatch.setattr(loadgen, "WAIT_REPORT_S", 0.1)
-    with hanging_server() as url, caplog.at_level(logging.INFO, logger="servematrix.loadgen"):
+    with (
+        hanging_server() as url,
+        caplog.at_level(logging.INFO, logger="servematrix.client.loadgen"),
+    ):
         settings = loadgen.ClientSettings(url, "m", None, first_byte_timeout_s=1)
         with pytest.raises(loadgen.LoadgenError) as stopped:
             loadgen.run(settings, build_requests(workload(num_prompts=2), 1000))

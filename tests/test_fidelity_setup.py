@@ -14,12 +14,12 @@ import jsonschema
 import pytest
 import yaml
 
-from servematrix.cell import identity
-from servematrix.config import SCHEMA_PATH
+from servematrix.backends.cell import identity
 from servematrix.engine.architecture import load_architecture
 from servematrix.engine.hardware import gpu_spec
 from servematrix.engine.setup import EngineFlags, plan_engine
-from servematrix.matrix import RECIPES, Cell
+from servematrix.spec.config import SCHEMA_PATH
+from servematrix.spec.matrix import RECIPES, Cell
 from tests.benchmark_modules import BENCHMARKS, load
 
 fidelity, fidelity_points, fidelity_validation = load(
@@ -427,8 +427,8 @@ def test_a_chat_stream_has_the_role_chunk_first_so_mean_itl_is_three_quarters_of
     """vLLM's chat stream sends its role chunk with the first token's: TTFT is unchanged, a
     4-token request has 4 ITLs instead of 3 (the first 0), so the mean ITL is 3/4 of the TPOT,
     the ratio GPUStack's three 128-token runs publish (175/233, 396/529, 394/525)."""
-    from servematrix.metrics import compute
-    from servematrix.trace import RequestRecord, to_table
+    from servematrix.results.metrics import compute
+    from servematrix.spec.trace import RequestRecord, to_table
 
     def one(request_id: int, sent_s: float) -> RequestRecord:
         chunks = [sent_s + 0.1 + 0.02 * k for k in range(4)]

@@ -10,7 +10,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from servematrix.figures import (
+from servematrix.reporting.figures import (
     MEMORY_PANELS,
     build_figure,
     choose_layout,

@@ -8,9 +8,14 @@ import re
 import polars as pl
 import pytest
 
-from servematrix.findings import Context, Findings, study_findings, to_html, to_markdown
-from servematrix.findings.recommend import ANSWER_WORDS, answer_words, fmt_rate, study_question
-from servematrix.matrix import MODES
+from servematrix.reporting.findings import Context, Findings, study_findings, to_html, to_markdown
+from servematrix.reporting.findings.recommend import (
+    ANSWER_WORDS,
+    answer_words,
+    fmt_rate,
+    study_question,
+)
+from servematrix.spec.matrix import MODES
 
 
 def cell(

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from servematrix import config
-from servematrix.identity import cell_identity, identity_document
+from servematrix.backends.identity import cell_identity, identity_document
+from servematrix.spec import config
 
 CELL = 0  # the first cell of the study "sizes" (single instance)
 

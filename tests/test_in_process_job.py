@@ -61,7 +61,7 @@ def test_in_process_jobs_run_one_at_a_time(tmp_path):
 
 
 def test_waits_and_fallbacks_reach_the_terminal_too(tmp_path, capsys):
-    from servematrix.terminal import TERMINAL
+    from servematrix.common.terminal import TERMINAL
 
     with in_process_job(str(tmp_path / "job.log")):
         log.info("roofline model for x", extra=TERMINAL)

@@ -13,8 +13,9 @@ import sys
 
 import pytest
 
-from servematrix import bench, cli
-from servematrix.loadgen import (
+from servematrix import cli
+from servematrix.client import bench
+from servematrix.client.loadgen import (
     ClientSettings,
     LoadgenError,
     Progress,
@@ -201,7 +202,7 @@ def test_progress_on_a_terminal_redraws_one_line():
 def test_progress_in_a_log_is_a_plain_line(caplog):
     progress = Progress(3, stream=io.StringIO(), tty=False)
     progress.finished(True)
-    with caplog.at_level(logging.INFO, logger="servematrix.loadgen"):
+    with caplog.at_level(logging.INFO, logger="servematrix.client.loadgen"):
         progress.report()
     assert caplog.messages[0].startswith("requests: 1/3 done, 0 failed, ")
 
@@ -309,7 +310,7 @@ def test_open_file_limit_is_raised_for_the_sockets_in_flight():
     """A soft limit of 256 with 1000 requests in flight would fail with EMFILE."""
     code = (
         "import resource\n"
-        "from servematrix import senders\n"
+        "from servematrix.client import senders\n"
         "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
         "senders.raise_file_limit(1000)\n"

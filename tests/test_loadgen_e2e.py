@@ -21,8 +21,9 @@ import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
 
-from servematrix import loadgen, trace
-from servematrix.matrix import Workload
+from servematrix.client import loadgen
+from servematrix.spec import trace
+from servematrix.spec.matrix import Workload
 from servematrix.workload import build_requests
 
 BIN = Path(sys.executable).parent

@@ -9,8 +9,9 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from servematrix import metrics, trace
-from servematrix.metrics import CellMetrics, MetricsError
+from servematrix.results import metrics
+from servematrix.results.metrics import CellMetrics, MetricsError
+from servematrix.spec import trace
 
 IDENTITY = trace.CellIdentity("simulator", "v1", "m", "single", "random", 2.0, 10, 4, 4, 0)
 

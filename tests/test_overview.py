@@ -13,11 +13,11 @@ from dataclasses import asdict
 import polars as pl
 import pytest
 
-from servematrix import browser
-from servematrix.figures import SCHEME
-from servematrix.findings.common import Section, Table
-from servematrix.findings.recommend import no_slo_section
-from servematrix.overview import (
+from servematrix.reporting import browser
+from servematrix.reporting.figures import SCHEME
+from servematrix.reporting.findings.common import Section, Table
+from servematrix.reporting.findings.recommend import no_slo_section
+from servematrix.reporting.overview import (
     StudyInputs,
     StudyPage,
     capacity_chart,

@@ -15,11 +15,11 @@ import aiohttp
 import numpy as np
 import pytest
 
-from servematrix import config
 from servematrix.deploy.recipes import plan
 from servematrix.emulator.prefixes import request_fields
-from servematrix.matrix import Cell, ConfigError, Workload
 from servematrix.simulate import engine_setup, simulate
+from servematrix.spec import config
+from servematrix.spec.matrix import Cell, ConfigError, Workload
 from servematrix.workload import TokenCounter, build_requests
 
 MODEL = "Qwen2.5-7B-Instruct-GPTQ-Int4"

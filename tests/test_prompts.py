@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from servematrix import prompts
-from servematrix.trace import RequestRecord
-from servematrix.workload import RequestSpec
+from servematrix.spec.trace import RequestRecord
+from servematrix.workload import RequestSpec, prompts
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from servematrix import loadgen
+from servematrix.client import loadgen
 from servematrix.engine.architecture import load_architecture
 from servematrix.engine.kvcache import kv_bytes_per_token_per_gpu
 from servematrix.engine.transfer import TransferLink, kv_link
-from servematrix.matrix import Workload
+from servematrix.spec.matrix import Workload
 from servematrix.workload import build_requests
 from tests.proxy_helpers import Processes, free_port, get, post, processes
 

@@ -14,11 +14,17 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from servematrix import config, replay
-from servematrix.matrix import ConfigError, Workload
-from servematrix.replay import TraceRequest
 from servematrix.simulate import simulate
-from servematrix.workload import WorkloadError, build_requests, measured_sends, request_lengths
+from servematrix.spec import config
+from servematrix.spec.matrix import ConfigError, Workload
+from servematrix.workload import (
+    WorkloadError,
+    build_requests,
+    measured_sends,
+    replay,
+    request_lengths,
+)
+from servematrix.workload.replay import TraceRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "config" / "examples" / "data" / "mooncake-conversation-1000.jsonl"
@@ -237,7 +243,7 @@ def test_the_emulator_reports_the_same_prefix_hits_as_the_simulator(small_config
 def test_the_findings_say_how_much_of_the_possible_reuse_each_mode_got():
     import polars as pl
 
-    from servematrix.findings.reuse import reuse_section
+    from servematrix.reporting.findings.reuse import reuse_section
 
     summary = pl.DataFrame(
         {
@@ -269,9 +275,9 @@ def test_an_emulator_cell_records_its_servers_hits_beside_the_best_possible(tmp_
     prompts (both round-robin ones; the prefill one of a disaggregated pair), summed, as the
     simulator counts them for the same cell; the window's bound beside them."""
 
-    from servematrix import trace
-    from servematrix.cell import run_cell
-    from servematrix.matrix import Serving
+    from servematrix.backends.cell import run_cell
+    from servematrix.spec import trace
+    from servematrix.spec.matrix import Serving
     from tests.test_emulator_cell import _cell
 
     # One request at a time (max_concurrency 1), so both backends route them in the same order.
@@ -296,8 +302,8 @@ def test_an_emulator_cell_records_its_servers_hits_beside_the_best_possible(tmp_
 
 @pytest.mark.slow
 def test_an_external_cell_records_the_servers_hits(small_config, tmp_path):
-    from servematrix import trace
-    from servematrix.cell import run_cell
+    from servematrix.backends.cell import run_cell
+    from servematrix.spec import trace
     from tests.test_emulator_e2e import emulator
 
     flags = ("--max-model-len", "8192", "--recipe", "v1", "--enable-prefix-caching")
@@ -317,7 +323,7 @@ def test_a_trace_workload_with_warmups_is_refused():
 
 
 def test_the_emulator_exports_v1s_prefix_cache_counters_and_v0_has_none():
-    from servematrix import prefixstats
+    from servematrix.backends import prefixstats
     from servematrix.emulator import wire
 
     common = dict(running=0, waiting=0, kv_usage=0.0, prompt_tokens=9, generation_tokens=3)
@@ -339,7 +345,7 @@ def test_the_emulator_exports_v1s_prefix_cache_counters_and_v0_has_none():
 def test_the_summary_page_shows_the_hit_rates_only_where_a_cell_has_them():
     import polars as pl
 
-    from servematrix.aggregate import render_html
+    from servematrix.results.aggregate import render_html
 
     rates = {"prefix_hit_rate": [0.126, None], "prefix_best_hit_rate": [0.231, 0.231]}
     page = render_html(pl.DataFrame({"mode": ["nondisagg", "chunked"], **rates}), "t")

@@ -12,8 +12,8 @@ import shutil
 import pytest
 import yaml
 
-from servematrix import browser
-from servematrix.findings.recommend import ANSWER_WORDS, answer_words
+from servematrix.reporting import browser
+from servematrix.reporting.findings.recommend import ANSWER_WORDS, answer_words
 from tests.conftest import ROOT
 from tests.workflow_helpers import copy_workflow, snakemake, write_config
 

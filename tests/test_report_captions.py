@@ -10,7 +10,7 @@ import jinja2
 import pytest
 from docutils.core import publish_parts
 
-from servematrix import config
+from servematrix.spec import config
 
 REPORT = Path(__file__).resolve().parents[1] / "report"
 

@@ -26,3 +26,9 @@ def test_git_ignores_what_runs_leave():
     paths = [f"{name}/sub/file" for name in LEFT_BY_RUNS]
     done = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True)
     assert done.stdout.split() == paths
+
+
+def test_git_ignores_only_the_workflows_results_not_the_package_layer_of_that_name():
+    path = "src/servematrix/results/metrics.py"
+    done = subprocess.run(["git", "check-ignore", path], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 1 and done.stdout == ""

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from servematrix.schedule import (
+from servematrix.workload.schedule import (
     arrival_times,
     bench_serve_019_sends,
     benchmark_serving_08_sends,

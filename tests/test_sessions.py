@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from servematrix import sessions
-from servematrix.config import load_file
-from servematrix.matrix import ConfigError
 from servematrix.simulate import simulate
-from servematrix.workload import build_requests, session_plan
+from servematrix.spec.config import load_file
+from servematrix.spec.matrix import ConfigError
+from servematrix.workload import build_requests, session_plan, sessions
 
 BIN = Path(sys.executable).parent
 CONFIG = """\
@@ -143,7 +142,7 @@ def test_bad_sessions_config_is_one_line_in_check_and_the_workflow(tmp_path, mod
 @pytest.mark.slow
 def test_emulator_gets_each_turn_its_think_time_after_the_previous_answer():
     """The load generator against the real emulator process: 2 users x 3 turns."""
-    from servematrix import loadgen
+    from servematrix.client import loadgen
     from tests.test_loadgen_e2e import MODEL, VOCAB, emulator, workload
 
     w = workload(
@@ -172,7 +171,7 @@ def test_emulator_gets_each_turn_its_think_time_after_the_previous_answer():
 def test_summary_gives_the_mean_ttft_of_first_and_later_turns(tmp_path):
     import polars as pl
 
-    from servematrix import aggregate, metrics
+    from servematrix.results import aggregate, metrics
 
     c = cell(tmp_path)
     records = simulate(c).records

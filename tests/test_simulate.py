@@ -11,11 +11,12 @@ import pytest
 
 import servematrix.simulate as simulate_module
 import servematrix.simulate.v1 as simulate_v1
-from servematrix import aggregate, config, trace
-from servematrix.cell import run_cell
+from servematrix.backends.cell import run_cell
 from servematrix.engine.kvcache import ModelDoesNotFitError
-from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
+from servematrix.results import aggregate
 from servematrix.simulate import round_robin_targets, simulate
+from servematrix.spec import config, trace
+from servematrix.spec.matrix import MODES, Cell, ModelSpec, Serving, Workload
 from tests.conftest import ROOT
 
 GPTQ_7B = ModelSpec(
@@ -291,8 +292,8 @@ def raw_config(mode: str, gpus: list[list[int]]) -> dict:
 
 
 def test_engine_and_serving_knobs_are_validated_with_key_paths():
-    from servematrix.config import load
-    from servematrix.matrix import ConfigError
+    from servematrix.spec.config import load
+    from servematrix.spec.matrix import ConfigError
 
     raw = raw_config("single", [[0]])
     raw["engine"] = {"kv_link": {"nics": 0}}
@@ -312,8 +313,8 @@ def test_engine_and_serving_knobs_are_validated_with_key_paths():
 
 
 def test_every_kv_link_override_passes_the_schema_and_reaches_the_link():
-    from servematrix.config import load
     from servematrix.engine.transfer import LINK_OVERRIDES
+    from servematrix.spec.config import load
 
     overrides = {key: 7 for key in LINK_OVERRIDES}
     raw = raw_config("mooncake-rdma", [[0], [1]])
@@ -431,7 +432,7 @@ def client_error(recipe: str, prompt: int, max_tokens: int, limit: int, text: bo
     """What the load generator records when the emulator refuses the request: vLLM's check
     (shared by emulator and simulator), the emulator's error body and the client's reading of
     it (the simulator must write the same)."""
-    from servematrix import sse
+    from servematrix.client import sse
     from servematrix.emulator import wire
     from servematrix.engine.admission import ContextLengthError, granted_max_tokens
 

@@ -15,8 +15,8 @@ from servematrix.deploy.recipes import Health, Plan, Process, plan
 from servematrix.emulator import cli as emulator_cli
 from servematrix.engine.hardware import gpu_spec
 from servematrix.engine.kvcache import BlockPool
-from servematrix.matrix import MODES, Cell, ModelSpec, Serving, Workload
 from servematrix.simulate import simulate
+from servematrix.spec.matrix import MODES, Cell, ModelSpec, Serving, Workload
 
 GPTQ_7B = ModelSpec(
     "Qwen2.5-7B-Instruct-GPTQ-Int4",

@@ -1,5 +1,6 @@
-"""Steady state and the SLO over a run's steady window (servematrix.steady), on made-up traces
-whose shape is known: a server that keeps up, one whose queue grows, one that fails requests."""
+"""Steady state and the SLO over a run's steady window (servematrix.results.steady), on made-up
+traces whose shape is known: a server that keeps up, one whose queue grows, one that fails
+requests."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from servematrix import steady
-from servematrix.slo import Slo
-from servematrix.trace import POLARS_SCHEMA, REQUEST_COLUMNS
+from servematrix.results import steady
+from servematrix.spec.slo import Slo
+from servematrix.spec.trace import POLARS_SCHEMA, REQUEST_COLUMNS
 
 SLO = Slo.from_config(
     {"ttft": {"statistic": "p99", "max_ms": 500}, "tpot": {"statistic": "p99", "max_ms": 50}}

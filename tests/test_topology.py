@@ -6,12 +6,15 @@ import dataclasses
 
 import pytest
 
-from servematrix import config
-from servematrix.config import read_yaml
 from servematrix.deploy.layout import decoding_instances
 from servematrix.deploy.recipes import plan
-from servematrix.findings.recommend import Ranking, split_sentence
-from servematrix.matrix import (
+from servematrix.proxy.cli import build
+from servematrix.proxy.cli import parser as proxy_parser
+from servematrix.reporting.findings.recommend import Ranking, split_sentence
+from servematrix.simulate import simulate
+from servematrix.spec import config
+from servematrix.spec.config import read_yaml
+from servematrix.spec.matrix import (
     MODES,
     Cell,
     ConfigError,
@@ -20,10 +23,7 @@ from servematrix.matrix import (
     Workload,
     topology_mode,
 )
-from servematrix.proxy.cli import build
-from servematrix.proxy.cli import parser as proxy_parser
-from servematrix.simulate import simulate
-from servematrix.topology import DECODE, PREFILL, Topology, TopologyError, parse, within_budget
+from servematrix.spec.topology import DECODE, PREFILL, Topology, TopologyError, parse, within_budget
 from tests.conftest import ROOT
 
 H100_70B = ModelSpec("m", "org/m", "qwen2.5-72b", "none", 4, ((0, 1, 2, 3), (4, 5, 6, 7)))

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from servematrix import trace
+from servematrix.spec import trace
 
 IDENTITY = trace.CellIdentity(
     backend="simulator",

@@ -13,8 +13,8 @@ import polars as pl
 import pytest
 import yaml
 
-from servematrix import config, trace
-from servematrix.config import load
+from servematrix.spec import config, trace
+from servematrix.spec.config import load
 from tests.workflow_helpers import copy_workflow, planned_jobs, snakemake, write_config
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servematrix.matrix import Workload
-from servematrix.schedule import arrival_times
+from servematrix.spec.matrix import Workload
 from servematrix.workload import (
     SONNET_BASE_PROMPT,
     TokenCounter,
@@ -23,6 +22,7 @@ from servematrix.workload import (
     build_requests,
     request_lengths,
 )
+from servematrix.workload.schedule import arrival_times
 
 VOCAB = 5000
 POEM = [
@@ -287,22 +287,24 @@ def test_every_dataset_is_one_registry_entry_the_schema_offers():
     schema)."""
     import yaml
 
-    from servematrix.datasets import DATASETS, dataset_of
     from servematrix.workload import WorkloadError
+    from servematrix.workload.datasets import DATASETS, dataset_of
 
     schema = yaml.safe_load(Path("config/schema.yaml").read_text(encoding="utf-8"))
     offered = schema["$defs"]["workload"]["properties"]["dataset"]["enum"]
     assert offered == list(DATASETS)
     for name, dataset in DATASETS.items():
-        assert name == dataset.NAME and type(dataset).__module__.startswith("servematrix.datasets.")
+        assert name == dataset.NAME and type(dataset).__module__.startswith(
+            "servematrix.workload.datasets."
+        )
     with pytest.raises(WorkloadError, match=r"unknown dataset 'nope' \(known: random, sonnet"):
         dataset_of("nope")
 
 
 def test_a_new_dataset_reaches_the_requests_through_the_registry_alone(monkeypatch):
     """A dataset registered at run time (no other file changed) gives the cell's requests."""
-    from servematrix.datasets import DATASETS
-    from servematrix.datasets.base import Entry
+    from servematrix.workload.datasets import DATASETS
+    from servematrix.workload.datasets.base import Entry
 
     class Constant:
         NAME, READS_FILE, TOKENIZED, DRAWS_LENGTHS = "constant", False, False, False

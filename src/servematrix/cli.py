@@ -13,10 +13,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from servematrix import __version__, bench, config, metrics, trace
+from servematrix import __version__
+from servematrix import dryrun as deploy_dryrun
 from servematrix.calibration import cli as calibrate_cli
-from servematrix.deploy import dryrun as deploy_dryrun
-from servematrix.matrix import ConfigError, gpus_needed
+from servematrix.client import bench
+from servematrix.results import metrics
+from servematrix.spec import config, trace
+from servematrix.spec.matrix import ConfigError, gpus_needed
 
 LATENCY_ROWS = (
     ("Time to First Token", "ttft"),

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from servematrix.backends import backend_of
-from servematrix.datasets import dataset_of
 from servematrix.engine.admission import kv_capacity_message
 from servematrix.engine.architecture import (
     ArchitectureError,
@@ -31,8 +30,9 @@ from servematrix.engine.setup import (
     step_time_model,
     warn_fallback,
 )
-from servematrix.matrix import V0_AUTO_CHUNKED_ABOVE, Cell, Config, ConfigError
+from servematrix.spec.matrix import V0_AUTO_CHUNKED_ABOVE, Cell, Config, ConfigError
 from servematrix.workload import WorkloadError, check_dataset
+from servematrix.workload.datasets import dataset_of
 
 
 def check(cfg: Config) -> None:

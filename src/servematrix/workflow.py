@@ -15,9 +15,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from servematrix import backends, config, preflight
-from servematrix.matrix import PREDICTING_BACKEND, Config, ConfigError
-from servematrix.terminal import for_terminal
+from servematrix import backends, preflight
+from servematrix.common.terminal import for_terminal
+from servematrix.spec import config
+from servematrix.spec.matrix import PREDICTING_BACKEND, Config, ConfigError
 
 DEFAULT_CONFIGFILE = "config/config.yaml"
 
@@ -235,7 +236,7 @@ def _worker_pool() -> concurrent.futures.ProcessPoolExecutor:
     with _WORKERS_LOCK:
         if not _WORKERS:
             context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(["servematrix.capacity_run"])
+            context.set_forkserver_preload(["servematrix.capacity.run"])
             _WORKERS.append(
                 concurrent.futures.ProcessPoolExecutor(
                     max_workers=os.cpu_count() or 1,
@@ -275,7 +276,7 @@ def _file_handler(path: str) -> logging.Handler:
 
 
 def _terminal_handler() -> logging.Handler:
-    """Waits and warnings (`servematrix.terminal`) for the person watching, one line each."""
+    """Waits and warnings (`servematrix.common.terminal`) for the person watching, one line each."""
     terminal = logging.StreamHandler(sys.stderr)
     terminal.addFilter(lambda record: for_terminal(record) and not record.exc_info)
     terminal.setFormatter(logging.Formatter("servematrix: %(message)s"))

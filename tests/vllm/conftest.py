@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from servematrix import config
 from servematrix.deploy.supervise import port_problem
+from servematrix.spec import config
 from servematrix.vllmcpu import env
 
 HERE = Path(__file__).parent

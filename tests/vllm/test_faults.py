@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from servematrix import config
+from servematrix.spec import config
 from tests.vllm.conftest import (
     MARK,
     marked_env,
@@ -26,7 +26,7 @@ from tests.vllm.conftest import (
 from tests.workflow_helpers import cell_job, copy_workflow, start_snakemake
 
 PROGRESS = re.compile(r": \d+/\d+ done, \d+ failed, ")
-"""A measured cell's progress line (servematrix.progress), printed every few seconds."""
+"""A measured cell's progress line (servematrix.client.progress), printed every few seconds."""
 
 
 def _cell_lines(output: str) -> list[str]:

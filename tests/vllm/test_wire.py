@@ -15,9 +15,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from servematrix import config
 from servematrix.deploy.recipes import plan
 from servematrix.deploy.supervise import Deployment
+from servematrix.spec import config
 from tests.vllm.conftest import free_base, ports, vllm_config
 
 DOC = Path(__file__).parents[2] / "docs" / "emulator-wire.md"

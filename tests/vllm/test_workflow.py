@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from servematrix import config
+from servematrix.spec import config
 from tests.vllm.conftest import (
     MARK,
     marked_env,

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from servematrix.backends import emulator, external, simulator, vllm
-from servematrix.matrix import ConfigError
+from servematrix.spec.matrix import ConfigError
 
 if TYPE_CHECKING:
     from servematrix.backends.run import BackendRun
-    from servematrix.matrix import Cell, Config
+    from servematrix.spec.matrix import Cell, Config
 
 
 @runtime_checkable

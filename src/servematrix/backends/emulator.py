@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from servematrix.backends import served
 from servematrix.backends.run import BackendRun
-from servematrix.matrix import Cell, Config
-from servematrix.trace import RequestRecord
+from servematrix.spec.matrix import Cell, Config
+from servematrix.spec.trace import RequestRecord
 
 if TYPE_CHECKING:
     from servematrix.deploy.recipes import Plan

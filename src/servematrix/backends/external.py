@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from servematrix import prefixstats
-from servematrix.backends import served
+from servematrix.backends import prefixstats, served
 from servematrix.backends.run import BackendRun
-from servematrix.matrix import Cell, Config, ConfigError
+from servematrix.spec.matrix import Cell, Config, ConfigError
 
 NAME = "external"
 MEASURED = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from servematrix.trace import RequestRecord
+from servematrix.spec.trace import RequestRecord
 
 
 class CellError(RuntimeError):

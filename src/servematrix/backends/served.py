@@ -10,12 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from servematrix import prefixstats
+from servematrix.backends import prefixstats
 from servematrix.backends.run import BackendRun, CellError
-from servematrix.matrix import Cell
-from servematrix.progress import Progress
-from servematrix.signals import ignore_further
-from servematrix.trace import RequestRecord
+from servematrix.client.progress import Progress
+from servematrix.common.signals import ignore_further
+from servematrix.spec.matrix import Cell
+from servematrix.spec.trace import RequestRecord
 
 if TYPE_CHECKING:
     from servematrix.deploy.recipes import Plan
@@ -33,8 +33,8 @@ def failing_as_cell_error(run: Callable[[Cell], BackendRun]) -> Callable[[Cell],
 
     @functools.wraps(run)
     def wrapped(cell: Cell) -> BackendRun:
+        from servematrix.client.loadgen import LoadgenError
         from servematrix.deploy.supervise import DeployError
-        from servematrix.loadgen import LoadgenError
 
         try:
             return run(cell)
@@ -45,9 +45,9 @@ def failing_as_cell_error(run: Callable[[Cell], BackendRun]) -> Callable[[Cell],
 
 
 def _requests(cell: Cell) -> list:
-    from servematrix.datasets import dataset_of
     from servematrix.engine.architecture import load_architecture
     from servematrix.workload import TokenCounter, build_requests
+    from servematrix.workload.datasets import dataset_of
 
     w = cell.workload
     counter = TokenCounter.for_model(cell.model.hf_id) if dataset_of(w.dataset).TOKENIZED else None
@@ -61,7 +61,7 @@ def measure(
     """Drive the cell's workload against a server; failed requests are rows, not errors.
     ``refused_timeout_s``: how long refused connections are retried (None: the load
     generator's own rule)."""
-    from servematrix import loadgen
+    from servematrix.client import loadgen
 
     w = cell.workload
     settings = loadgen.ClientSettings(

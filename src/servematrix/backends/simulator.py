@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from servematrix.backends.run import BackendRun
-from servematrix.matrix import Cell, Config
+from servematrix.spec.matrix import Cell, Config
 
 NAME = "simulator"
 MEASURED = False

@@ -6,7 +6,7 @@ from typing import Any
 
 from servematrix.backends import served
 from servematrix.backends.run import BackendRun
-from servematrix.matrix import Cell, Config
+from servematrix.spec.matrix import Cell, Config
 
 NAME = "vllm"
 MEASURED = True

@@ -18,6 +18,7 @@ from typing import Any
 from servematrix.calibration.fit import FitError, fit_terms
 from servematrix.calibration.probes import design
 from servematrix.calibration.run import CalibrationError, ServerInfo, Settings, probe_server
+from servematrix.common.files import unwritable
 from servematrix.engine.architecture import ArchitectureError, load_architecture
 from servematrix.engine.hardware import CPU_HOST, DEFAULT_GPU, GPUS, cpu_model
 from servematrix.engine.profile import (
@@ -28,7 +29,6 @@ from servematrix.engine.profile import (
     write_profile,
 )
 from servematrix.engine.roofline import QUANTIZATIONS
-from servematrix.files import unwritable
 
 EXIT_ERROR = 2
 

@@ -24,8 +24,8 @@ from servematrix.calibration.probes import (
     parse_metrics,
     server_observations,
 )
-from servematrix.senders import AiohttpSender, client_session
-from servematrix.sse import HTTPStatusError, StreamParser
+from servematrix.client.senders import AiohttpSender, client_session
+from servematrix.client.sse import HTTPStatusError, StreamParser
 
 PROMPT_ID_FIRST = 1000
 """Prompt ids are drawn from here up to the vocabulary's end (special and byte tokens below)."""

@@ -9,7 +9,7 @@ import subprocess
 from typing import Any
 
 from servematrix.deploy.supervise import DeployError, launch_argv
-from servematrix.matrix import ConfigError
+from servematrix.spec.matrix import ConfigError
 
 KEY = "deploy.server_command"
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from servematrix.matrix import Cell
-from servematrix.topology import AGGREGATED, DECODE, PREFILL
+from servematrix.spec.matrix import Cell
+from servematrix.spec.topology import AGGREGATED, DECODE, PREFILL
 
 KV_ROLES = {AGGREGATED: None, PREFILL: "kv_producer", DECODE: "kv_consumer"}
 """The vLLM ``kv_role`` of each role kind's instances."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from servematrix.matrix import Cell, Config
+from servematrix.spec.matrix import Cell, Config
 
 
 def deployment_key(cell: Cell) -> tuple:

@@ -34,7 +34,7 @@ from typing import Any
 
 from servematrix.deploy.layout import Slot, slots
 from servematrix.engine.hardware import DEFAULT_GPU
-from servematrix.matrix import Cell
+from servematrix.spec.matrix import Cell
 
 EMULATED_BACKEND = "emulator"  # vLLM's deployment with the emulator in vLLM's place
 DEPLOYED_BACKENDS = ("vllm", EMULATED_BACKEND)  # the registry's DEPLOYS (tests/test_backends.py)

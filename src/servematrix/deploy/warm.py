@@ -36,6 +36,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from servematrix.common.signals import ignore_further
+from servematrix.common.terminal import TERMINAL, WAIT_REPORT_S
 from servematrix.deploy.gpulock import flock_before
 from servematrix.deploy.recipes import DEFAULT_DEPLOY, RECIPES, Plan
 from servematrix.deploy.supervise import (
@@ -48,9 +50,7 @@ from servematrix.deploy.supervise import (
     stop_groups,
     wait_quiet,
 )
-from servematrix.matrix import Cell
-from servematrix.signals import ignore_further
-from servematrix.terminal import TERMINAL, WAIT_REPORT_S
+from servematrix.spec.matrix import Cell
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.5

@@ -46,13 +46,13 @@ from typing import Any
 
 import numpy as np
 
+from servematrix.common.files import cache_root
 from servematrix.engine.architecture import (
     Architecture,
     load_architecture,
     resolve_config_json,
 )
 from servematrix.engine.steptime import PlusSiblingDifference, StepBatch, StepTimeModel
-from servematrix.files import cache_root
 
 logger = logging.getLogger(__name__)
 

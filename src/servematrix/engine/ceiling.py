@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from servematrix.engine.setup import EngineSetup
 from servematrix.engine.steptime import StepBatch
-from servematrix.topology import Topology
+from servematrix.spec.topology import Topology
 
 
 def prefill_rps(setup: EngineSetup, input_len: int) -> float:

@@ -24,10 +24,10 @@ from typing import Any
 
 import yaml
 
+from servematrix.common.files import write_text
 from servematrix.engine.architecture import Architecture, ArchitectureError, load_architecture
 from servematrix.engine.roofline import weight_bytes
 from servematrix.engine.steptime import StepBatch
-from servematrix.files import write_text
 
 TERMS = (
     "per_step_s",

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from servematrix.engine.hardware import CPU_HOST
 from servematrix.engine.kvcache import BlockPool
-from servematrix.matrix import chunks_prefill
+from servematrix.spec.matrix import chunks_prefill
 
 V0_DEFAULT_WATERMARK = 0.01
 """V0 ``CacheConfig``/``BlockSpaceManager`` watermark: 1 % of blocks stay free on admission."""

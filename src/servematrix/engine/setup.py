@@ -52,7 +52,7 @@ from servematrix.engine.scheduler import Scheduler, SchedulerConfig, scheduler_c
 from servematrix.engine.steptime import StepTimeModel, WithDecodeOverhead
 
 if TYPE_CHECKING:
-    from servematrix.matrix import Cell
+    from servematrix.spec.matrix import Cell
 
 DEFAULT_JITTER_CV = 0.03
 """Step-to-step variation of a GPU forward pass (peers §2.9: CV about 3-5 %)."""

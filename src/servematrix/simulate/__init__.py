@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from servematrix.datasets import dataset_of
 from servematrix.engine.instance import EngineInstance
 from servematrix.engine.kvcache import KvMemoryPlan
 from servematrix.engine.setup import (
@@ -55,13 +54,14 @@ from servematrix.engine.setup import (
 )
 from servematrix.engine.steptime import StepTimeModel
 from servematrix.engine.transfer import NO_PROXY, ProxyHop
-from servematrix.matrix import Cell
 from servematrix.simulate.disagg import Disaggregated
 from servematrix.simulate.requests import Served, serve_or_refuse
 from servematrix.simulate.roundrobin import RoundRobin, round_robin_targets
 from servematrix.simulate.v1 import OrderTie
-from servematrix.trace import RequestRecord
+from servematrix.spec.matrix import Cell
+from servematrix.spec.trace import RequestRecord
 from servematrix.workload import TokenCounter, measured_sends, request_lengths, session_plan
+from servematrix.workload.datasets import dataset_of
 
 __all__ = [
     "Served",

@@ -28,7 +28,6 @@ from servematrix.engine.transfer import (
     kv_bytes_per_token_per_rank,
     kv_link,
 )
-from servematrix.matrix import Cell
 from servematrix.simulate.events import (
     ARRIVE,
     ARRIVE_DECODE,
@@ -51,7 +50,8 @@ from servematrix.simulate.requests import (
 )
 from servematrix.simulate.v0 import ReceiveStep, V0Handoff
 from servematrix.simulate.v1 import UpstreamRecording, V1Handoff
-from servematrix.trace import RequestRecord
+from servematrix.spec.matrix import Cell
+from servematrix.spec.trace import RequestRecord
 from servematrix.workload import RequestLengths
 
 

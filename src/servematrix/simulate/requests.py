@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from servematrix import replay
 from servematrix.engine.admission import (
     NO_TOKEN_ERROR,
     ContextLengthError,
@@ -21,8 +20,8 @@ from servematrix.engine.admission import (
 from servematrix.engine.instance import DecodeRun, StepResult
 from servematrix.engine.kvcache import BLOCK_SIZE_TOKENS, BlockPool
 from servematrix.engine.scheduler import Request
-from servematrix.trace import RequestRecord
-from servematrix.workload import RequestLengths
+from servematrix.spec.trace import RequestRecord
+from servematrix.workload import RequestLengths, replay
 
 
 @dataclass(frozen=True)

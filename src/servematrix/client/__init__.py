@@ -1,0 +1,1 @@
+"""The load generator: requests out, streamed tokens back, as trace rows."""

@@ -1,0 +1,1 @@
+"""Infrastructure every layer uses: atomic files, the terminal, stop signals."""

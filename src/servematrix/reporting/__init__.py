@@ -1,0 +1,1 @@
+"""What a person reads: findings, figures, the front page, predicted against measured."""
