@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from servematrix.backends.cell import identity
+from servematrix.engine.steptime import StepTimeModel
 from servematrix.results.metrics import CellMetrics, compute
 from servematrix.simulate import simulate
 from servematrix.spec.matrix import Cell
@@ -37,12 +38,14 @@ def predict(
     send_times_s: Sequence[float] | None = None,
     measured_from: int = 0,
     chat_stream: bool = False,
+    step_time: StepTimeModel | None = None,
 ) -> CellMetrics:
     """Simulate one cell (at ``send_times_s`` if given) and compute the client's metrics.
     Requests before id ``measured_from`` stand for earlier runs on the same server: they are
     simulated, but not measured (counted as warm-ups). ``chat_stream``: the run's client read
-    chat completion streams (`as_chat_stream`)."""
-    records = simulate(cell, send_times_s=send_times_s).records
+    chat completion streams (`as_chat_stream`). ``step_time`` replaces the engine's step-time
+    model (`servematrix.simulate.simulate`)."""
+    records = simulate(cell, step_time, send_times_s=send_times_s).records
     if measured_from:
         records = [replace(r, warmup=r.warmup or r.request_id < measured_from) for r in records]
     if chat_stream:

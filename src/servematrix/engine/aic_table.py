@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -406,6 +406,16 @@ class _Bilinear:
         return upper + (lower - upper) * u
 
 
+class AicStepParts(NamedTuple):
+    """One step's terms as `AicStepTime` tabulates them (module docstring): ``shared_ms``, every
+    op but attention (GEMMs, norms, activation, logits; a function of the step's tokens), the
+    prefill chunks' attention and the decodes' ``decode_extra`` (their attention)."""
+
+    shared_ms: float
+    prefill_attention_ms: float
+    decode_attention_ms: float
+
+
 class AicStepTime:
     """:class:`StepTimeModel` interpolating aiconfigurator's vLLM predictions (see module doc)."""
 
@@ -433,15 +443,21 @@ class AicStepTime:
         return self._shared[last] + self._shared_slope * (tokens - last)
 
     def step_ms(self, batch: StepBatch) -> float:
+        parts = self.parts_ms(batch)
+        return parts.prefill_attention_ms + parts.decode_attention_ms + parts.shared_ms
+
+    def parts_ms(self, batch: StepBatch) -> AicStepParts:
+        """The step's three tabulated terms (module docstring); `step_ms` is their sum."""
         tokens = len(batch.decode_contexts)
-        ms = 0.0
+        prefill_ms = 0.0
         for new, past in batch.prefill_chunks:
             tokens += new
-            ms += self._chunk_attn(new, past)
+            prefill_ms += self._chunk_attn(new, past)
+        decode_ms = 0.0
         if batch.decode_contexts:
             size = len(batch.decode_contexts)
-            ms += self._decode_extra(size, sum(batch.decode_contexts) // size)
-        return ms + self._shared_ms(tokens)
+            decode_ms = self._decode_extra(size, sum(batch.decode_contexts) // size)
+        return AicStepParts(self._shared_ms(tokens), prefill_ms, decode_ms)
 
 
 @functools.lru_cache(maxsize=64)
