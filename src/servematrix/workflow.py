@@ -27,9 +27,24 @@ def check_config(raw: Mapping[str, Any], schema_path: Path = config.SCHEMA_PATH)
     """Everything that must hold before any job: `servematrix check` and the workflow run this."""
     cfg = config.load(raw, schema_path)
     backends.check(cfg.backend)
+    _check_confirm_top(cfg)
     backends.backend_of(cfg.backend).preflight(cfg)
     preflight.check(cfg)
     return cfg
+
+
+def _check_confirm_top(cfg: Config) -> None:
+    """``confirm_top`` deploys the simulator's top topologies on a measured backend; the
+    simulator itself searches them all already."""
+    if backends.backend_of(cfg.backend).MEASURED:
+        return
+    for name, study in cfg.studies.items():
+        if study.confirm_top is not None:
+            raise ConfigError(
+                f"studies.{name}.confirm_top",
+                f"confirms on a measured backend ({', '.join(backends.names(MEASURED=True))}); "
+                f"backend {cfg.backend} searches every topology already",
+            )
 
 
 def merged(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
@@ -82,7 +97,11 @@ def predicted_config(cfg: Config) -> Config | None:
     modelled GPU, which the vllm and external backends never check)."""
     if not backends.backend_of(cfg.backend).MEASURED:
         return None
-    return check_config({**cfg.raw, "backend": PREDICTING_BACKEND})
+    studies = {  # the twin searches every topology: it is where the measured run picks from
+        name: {key: value for key, value in study.items() if key != "confirm_top"}
+        for name, study in cfg.raw["studies"].items()
+    }
+    return check_config({**cfg.raw, "backend": PREDICTING_BACKEND, "studies": studies})
 
 
 def stop_deployments(cfg: Config) -> None:

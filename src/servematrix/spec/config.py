@@ -187,6 +187,7 @@ def _study(
         x=data["x"],
         cells=tuple(cells),
         question=_question(base, data),
+        confirm_top=data.get("confirm_top"),
     )
 
 
@@ -213,7 +214,13 @@ def _budget_modes(base: str, data: Mapping[str, Any], models: Mapping[str, Model
                 f"{base}.gpu_budget",
                 f"{budget} GPUs but models.{model}.gpus pins only {pinned}",
             )
-    return [topology.spelling for topology in within_budget(budget, tps)]
+    modes = [topology.spelling for topology in within_budget(budget, tps)]
+    if data.get("confirm_top", 0) > len(modes):
+        raise ConfigError(
+            f"{base}.confirm_top",
+            f"{data['confirm_top']} but the gpu_budget gives only {len(modes)} topologies",
+        )
+    return modes
 
 
 def _check_topology(where: str, data: Mapping[str, Any], mode: ModeSpec, model: ModelSpec) -> None:

@@ -235,6 +235,9 @@ class Study:
     question: str | None = None
     """What the study compares (``modes``, ``models``, ``input_len``) when the config names it;
     otherwise the findings derive it from what varies (``findings.recommend.study_question``)."""
+    confirm_top: int | None = None
+    """On a measured backend, a ``gpu_budget`` study deploys only this many topologies: those
+    its simulator twin ranks highest by capacity per GPU (`servematrix.capacity.confirm`)."""
 
 
 @dataclass(frozen=True)
