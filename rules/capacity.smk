@@ -4,6 +4,7 @@
 # simulator's capacity for the same deployment, after the study's own cells (one deployment on
 # the GPUs at a time). The simulator's searches, seconds of CPU each, run in Snakemake's
 # worker processes, one per core (servematrix.workflow.worker_job).
+from servematrix.capacity.confirm import write_candidates
 from servematrix.capacity.run import capacity_job, write_study_table
 from servematrix.workflow import worker_job
 
@@ -68,3 +69,24 @@ rule capacity_table:
     run:
         with in_process_job(log[0]):
             write_study_table(input, params.title, output.parquet, output.csv, output.html)
+
+
+# The split question confirmed (`confirm_top`): the simulator twin's capacity table of the study
+# picks the topologies the measured backend deploys. A checkpoint: the study's measured cells
+# and searches (rules/common.smk, `study_cells`) are known only once it has run.
+if PREDICTED is not None:
+
+    checkpoint confirm_candidates:
+        input:
+            f"results/{PREDICTED.backend}/capacity/{{study}}.parquet",
+        output:
+            "results/{backend}/confirm/{study}.json",
+        log:
+            "results/{backend}/logs/confirm/{study}.log",
+        params:
+            top=get_confirm_top,
+        wildcard_constraints:
+            backend=MEASURED_BACKENDS,
+        run:
+            with in_process_job(log[0]):
+                write_candidates(input[0], params.top, output[0])

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from servematrix import backends
+from servematrix.capacity import confirm
 from servematrix.capacity import run as capacity_run
 from servematrix.spec import matrix
 from servematrix.calibration.cli import calibration_arguments
@@ -37,6 +38,13 @@ def get_predicted_config():
     try:
         return predicted_config(RUN_CONFIG)
     except matrix.ConfigError as error:
+        confirming = [name for name, study in RUN_CONFIG.studies.items() if study.confirm_top]
+        if confirming:  # its candidates are the twin's picks: no twin, nothing to pick from
+            with fail_on_config_error():
+                raise matrix.ConfigError(
+                    f"studies.{confirming[0]}.confirm_top",
+                    f"picks from the simulator's search, which cannot model this config: {error}",
+                )
         print(f"servematrix: no simulator prediction to compare with: {error}", file=sys.stderr)
         return None
 
@@ -127,8 +135,11 @@ def prediction_outputs(study):
 
 
 def get_final_output():
-    """Every study's outputs, and every trace: a deleted trace is rebuilt, with its aggregates."""
-    traces = [cell.path for cell in RUN_CONFIG.all_cells()]
+    """Every study's outputs, and every trace: a deleted trace is rebuilt, with its aggregates.
+    A confirming study's traces are its summary's inputs alone: which ones, the simulator's
+    ranking decides (`confirmed_cells`)."""
+    unconfirmed = [study for study in STUDIES.values() if not study.confirm_top]
+    traces = list(dict.fromkeys(cell.path for study in unconfirmed for cell in study.cells))
     return (
         traces
         + [path for study in STUDIES for path in study_outputs(study) + prediction_outputs(study)]
@@ -188,8 +199,43 @@ def get_calibrate_args(wildcards):
     return shlex.join(calibration_arguments(CALIBRATION, engine_gpu))
 
 
+def confirming(wildcards):
+    """Whether the study's cells on this backend are the simulator's picks (`confirm_top`)."""
+    return wildcards.backend == RUN_CONFIG.backend and bool(
+        STUDIES[wildcards.study].confirm_top
+    )
+
+
+def get_confirm_candidates(wildcards):
+    """The simulator's picks (rules/capacity.smk's checkpoint), when the study confirms."""
+    if not confirming(wildcards):
+        return []
+    return [f"results/{wildcards.backend}/confirm/{wildcards.study}.json"]
+
+
+def get_confirm_top(wildcards):
+    return STUDIES[wildcards.study].confirm_top
+
+
+def get_study_confirms(wildcards):
+    """Whether the measured run confirms only the simulator's top topologies of the study."""
+    return bool(STUDIES[wildcards.study].confirm_top)
+
+
+def study_cells(wildcards):
+    """The study's cells on the backend: on a confirming study only the picked topologies',
+    read once the simulator's ranking exists (Snakemake re-plans after the checkpoint)."""
+    cells = config_of(wildcards.backend).studies[wildcards.study].cells
+    if not confirming(wildcards):
+        return cells
+    picks = checkpoints.confirm_candidates.get(
+        backend=wildcards.backend, study=wildcards.study
+    ).output[0]
+    return confirm.confirmed(cells, confirm.read_candidates(picks))
+
+
 def get_study_traces(wildcards):
-    return [cell.path for cell in config_of(wildcards.backend).studies[wildcards.study].cells]
+    return [cell.path for cell in study_cells(wildcards)]
 
 
 def get_simulated_traces(wildcards):
@@ -261,7 +307,7 @@ def get_deployment_cells(wildcards):
 
 
 def get_study_deployments(wildcards):
-    return capacity_run.study_deployments(config_of(wildcards.backend), wildcards.study)
+    return list(capacity_run.deployments(study_cells(wildcards)))
 
 
 def get_findings_capacity(wildcards):

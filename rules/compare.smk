@@ -59,5 +59,6 @@ if PREDICTED is not None:
         params:
             title=get_study_title,
             x=get_study_x,
+            confirmed=get_study_confirms,
         script:
             "../scripts/compare.py"

@@ -8,6 +8,7 @@ rule findings:
     input:
         summary="results/{backend}/summary/{study}.parquet",
         capacity=get_findings_capacity,
+        candidates=get_confirm_candidates,
     output:
         md="results/{backend}/findings/{study}.md",
         json="results/{backend}/findings/{study}.json",
@@ -30,7 +31,13 @@ rule findings:
         backend=get_backend,
     run:
         with in_process_job(log[0]):
-            write_findings(input.summary, input.capacity, dict(params.items()), dict(output.items()))
+            write_findings(
+                input.summary,
+                input.capacity,
+                dict(params.items()),
+                dict(output.items()),
+                input.candidates,
+            )
 
 
 # The front page: every study's recommendation, capacity chart and Pareto chart.

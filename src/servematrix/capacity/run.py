@@ -36,7 +36,7 @@ from servematrix.capacity.loads import axis_of
 from servematrix.common.files import write_text
 from servematrix.results import aggregate, intervals, steady
 from servematrix.spec import trace
-from servematrix.spec.matrix import Cell, Config
+from servematrix.spec.matrix import Cell
 from servematrix.spec.slo import Slo
 
 log = logging.getLogger(__name__)
@@ -84,10 +84,6 @@ def deployments(cells: Iterable[Cell]) -> dict[str, list[Cell]]:
         if template not in group:
             group.append(template)
     return found
-
-
-def study_deployments(cfg: Config, study: str) -> list[str]:
-    return list(deployments(cfg.studies[study].cells))
 
 
 def _reusable(cell: Cell) -> pa.Table | None:

@@ -77,6 +77,12 @@ def _check_cells(predicted: pl.DataFrame, measured: pl.DataFrame) -> None:
         )
 
 
+def measured_cells(predicted: pl.DataFrame, measured: pl.DataFrame) -> pl.DataFrame:
+    """The simulator's rows of the cells the measured run has: a study that confirms the
+    simulator's top topologies (``confirm_top``) measures only theirs."""
+    return predicted.join(measured.select(KEYS), on=KEYS, how="semi")
+
+
 def ratio_table(predicted: pl.DataFrame, measured: pl.DataFrame) -> pl.DataFrame:
     """One row per metric and cell: the simulator's value, the measured one and their ratio
     simulator / measured (1: a perfect prediction; above 1 the simulator predicts more, e.g.
