@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import polars as pl
 
 from servematrix.backends import backend_of
+from servematrix.capacity.confirm import read_candidates
 from servematrix.common.files import write_text
 from servematrix.reporting import steptimes
 from servematrix.reporting.findings.common import (
@@ -157,12 +158,14 @@ def write_findings(
     capacity_paths: Sequence[str],
     study: dict[str, str],
     outputs: dict[str, str],
+    candidates_paths: Sequence[str] = (),
 ) -> None:
     """One findings job (rules/report.smk): the study's findings as Markdown (``outputs["md"]``)
     and HTML (``"html"``), its Recommendation as JSON for the front page (``"json"``).
     ``study`` holds its title, x, slo (described), gpu, profile (the engine's hardware profile,
     "" for none), backend and question (None: derived); ``capacity_paths`` its capacity
-    table, when there is an SLO to search against."""
+    table, when there is an SLO to search against; ``candidates_paths`` the simulator's picks
+    when the study measured only those (``confirm_top``, `servematrix.capacity.confirm`)."""
     summary = pl.read_parquet(summary_path)
     capacity = pl.read_parquet(capacity_paths[0]) if capacity_paths else None
     step_times = []
@@ -174,7 +177,8 @@ def write_findings(
         except trace.TraceError:  # a trace from before step-time sources were recorded
             step_times = []
     caveat = backend.caveat(study["gpu"], step_times, study.get("profile") or None)
-    context = Context(study["slo"], caveat, study.get("question"))
+    candidates = read_candidates(candidates_paths[0]) if candidates_paths else None
+    context = Context(study["slo"], caveat, study.get("question"), candidates)
     findings = study_findings(summary, study["title"], study["x"], capacity, context)
     write_text(outputs["md"], to_markdown(findings))
     write_text(outputs["html"], to_html(findings))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
+from servematrix.capacity.confirm import Candidates
 from servematrix.reporting.findings.common import (
     CAPACITY_TITLE,
     Section,
@@ -33,7 +34,11 @@ from servematrix.reporting.findings.common import (
     overloaded,
     same,
 )
-from servematrix.reporting.findings.confirm import confirmation_sentence, ledger_sentence
+from servematrix.reporting.findings.confirm import (
+    candidates_sentences,
+    confirmation_sentence,
+    ledger_sentence,
+)
 from servematrix.spec import topology
 
 QUESTIONS = ("modes", "models", "input_len")
@@ -49,12 +54,14 @@ COMPARED = {"modes": "mode", "models": "model", "input_len": "model"}
 
 @dataclass(frozen=True)
 class Context:
-    """What the numbers answer (``slo.Slo.describe``), how far to trust them, and the study's
-    question when the config names it."""
+    """What the numbers answer (``slo.Slo.describe``), how far to trust them, the study's
+    question when the config names it, and the simulator's picks when only those were
+    measured (``confirm_top``)."""
 
     slo: str
     caveat: str
     question: str | None = None
+    candidates: Candidates | None = None
 
 
 @dataclass(frozen=True)
@@ -406,6 +413,7 @@ def recommendation_section(
         body = [_winner_sentence(r) for r in ranks]
     rest = [
         *((ESSENTIAL, split_sentence(r)) for r in ranks if question == "modes"),
+        *((ESSENTIAL, sentence) for sentence in candidates_sentences(context.candidates)),
         *((LOSER, _loser_sentence(r)) for r in ranks if question != "input_len"),
         (ESSENTIAL, agreement_sentence(ranks, question)),
         *((ESSENTIAL, confirmation_sentence(r.label, r.rows, _top(r))) for r in ranks),
