@@ -8,6 +8,7 @@ import re
 import polars as pl
 import pytest
 
+from servematrix.capacity.confirm import Candidate, Candidates, Comparison
 from servematrix.reporting.findings import Context, Findings, study_findings, to_html, to_markdown
 from servematrix.reporting.findings.recommend import (
     ANSWER_WORDS,
@@ -837,3 +838,35 @@ def test_a_mode_only_tied_with_a_winner_is_not_called_the_best_and_never_the_lea
         in answer.sentences
     )
     assert not any("carries the least" in s for s in answer.sentences), answer.sentences
+
+
+def test_a_confirming_study_names_the_simulator_candidates_and_their_ranks() -> None:
+    def row(topology: str, rate: float, gpus: int) -> dict:
+        return capacity_row("m", "chunked", rate, gpus) | {"mode": topology, "topology": topology}
+
+    capacity = pl.DataFrame([row("2x(TP4)", 9.6, 8), row("3x(TP2)", 7.5, 6)])
+    summary = pl.DataFrame([cell("m", t, 4, 100.0) for t in ("2x(TP4)", "3x(TP2)")])
+    candidates = Candidates(
+        2,
+        "req/s",
+        (
+            Comparison(
+                "m",
+                1024,
+                17,
+                (Candidate("2x(TP4)", 1, 1.24), Candidate("3x(TP2)", 2, 1.19)),
+                Candidate("2x(TP4)", 1, 1.24),
+                Candidate("2P(TP2)+1D(TP2)", 3, 1.083),
+            ),
+        ),
+    )
+    context = Context("P90 TTFT ≤ 1000 ms", "Emulated.", candidates=candidates)
+    answer = study_findings(summary, "t", "qps", capacity, context).sections[0].sentences
+    assert answer[1].startswith("Run 3x(TP2): 1.25 req/s per GPU (7.5 req/s on 6 GPUs")
+    assert answer[1].endswith("4% more than 2x(TP4) (1.2).")
+    assert (
+        "The measured candidates were the simulator's top 2 of 17 topologies by capacity per "
+        "GPU: 2x(TP4) (simulated rank 1, 1.24 req/s per GPU) and 3x(TP2) (rank 2, 1.19); the "
+        "other 15 were not deployed; no split was among them (the simulator's best, "
+        "2P(TP2)+1D(TP2) (rank 3, 1.08))."
+    ) in answer

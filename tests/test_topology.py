@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import polars as pl
 import pytest
 
+from servematrix.capacity.confirm import confirmed, read_candidates, write_candidates
 from servematrix.deploy.layout import decoding_instances
 from servematrix.deploy.recipes import plan
 from servematrix.proxy.cli import build
@@ -24,6 +26,7 @@ from servematrix.spec.matrix import (
     topology_mode,
 )
 from servematrix.spec.topology import DECODE, PREFILL, Topology, TopologyError, parse, within_budget
+from servematrix.workflow import check_config, predicted_config
 from tests.conftest import ROOT
 
 H100_70B = ModelSpec("m", "org/m", "qwen2.5-72b", "none", 4, ((0, 1, 2, 3), (4, 5, 6, 7)))
@@ -246,3 +249,54 @@ def test_only_decode_instances_are_left_out_of_prefix_counts():
     assert decoding_instances(cells["4x(TP2)"]) == set()
     assert decoding_instances(cell(MODES["mooncake-tcp"])) == {"decode"}
     assert decoding_instances(cell(MODES["chunked"])) == set()
+
+
+def test_a_bad_confirm_top_names_its_key():
+    with pytest.raises(ConfigError) as error:
+        config.load(budget_config(confirm_top=18))
+    assert error.value.key_path == "studies.xpyd.confirm_top"
+    assert "18 but the gpu_budget gives only 17 topologies" in str(error.value)
+    listed = budget_config(modes=["4x(TP2)", "2x(TP4)"], confirm_top=1)
+    del listed["studies"]["xpyd"]["gpu_budget"], listed["studies"]["xpyd"]["tp"]
+    with pytest.raises(ConfigError, match="'gpu_budget' is a dependency of 'confirm_top'"):
+        config.load(listed)
+
+
+def test_confirm_top_is_for_a_measured_backend_and_its_twin_searches_every_topology():
+    with pytest.raises(ConfigError, match=r"measured backend \(.*\); backend simulator"):
+        check_config(budget_config(confirm_top=2))
+    measured = check_config({**budget_config(confirm_top=2), "backend": "emulator"})
+    assert measured.studies["xpyd"].confirm_top == 2
+    twin = predicted_config(measured)
+    assert twin.studies["xpyd"].confirm_top is None
+    assert len(twin.studies["xpyd"].cells) == len(measured.studies["xpyd"].cells) == 17
+
+
+def test_the_simulator_top_n_are_the_only_cells_confirmed(tmp_path):
+    table = pl.DataFrame(
+        {
+            "model": ["m"] * 4,
+            "input_len": [1024] * 4,
+            "topology": ["2x(TP4)", "1P(TP2)+1D(TP2)", "4x(TP2)", "1P(TP4)+1D(TP4)"],
+            "gpus": [8, 4, 8, 8],
+            "capacity_per_gpu": [1.0, 1.2, 1.2, 0.5],
+            "capacity_unit": ["req/s"] * 4,
+        }
+    )
+    table.write_parquet(tmp_path / "twin.parquet")
+    write_candidates(str(tmp_path / "twin.parquet"), 2, tmp_path / "picks.json")
+    picks = read_candidates(tmp_path / "picks.json")
+    (comparison,) = picks.comparisons
+    # a tie goes to the topology on fewer GPUs
+    assert [(c.topology, c.simulated_rank) for c in comparison.picked] == [
+        ("1P(TP2)+1D(TP2)", 1),
+        ("4x(TP2)", 2),
+    ]
+    assert comparison.topologies == 4 and picks.unit == "req/s"
+    assert comparison.best_aggregated.topology == "4x(TP2)"
+    assert comparison.best_split.simulated_rank == 1
+    cells = [cell(topology_mode(parse(c))) for c in ("4x(TP2)", "2x(TP4)", "1P(TP2)+1D(TP2)")]
+    for c in cells:  # the module's model and input length
+        assert (c.model.name, c.workload.input_len) == ("m", 1024)
+    kept = confirmed(cells, picks)
+    assert [c.mode.name for c in kept] == ["4x(TP2)", "1P(TP2)+1D(TP2)"]

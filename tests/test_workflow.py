@@ -263,3 +263,38 @@ def test_a_sessions_study_gets_its_capacity_in_concurrent_sessions(tmp_path, sma
     capacity = pl.read_parquet(base / "capacity" / "chat.parquet")
     assert capacity["capacity_unit"].to_list() == ["sessions"] and capacity["capacity"][0] > 0
     assert " sessions per GPU" in (base / "findings" / "chat.md").read_text()
+
+
+def budget_study(confirm_top: int | None) -> dict:
+    """A gpu_budget study of 2 GPUs on the emulator: 1x(TP1), 2x(TP1), 1P(TP1)+1D(TP1)."""
+    model = {
+        "hf_id": "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",
+        "architecture": "qwen2.5-7b",
+        "quantization": "gptq-int4",
+        "tensor_parallel": 1,
+        "gpus": [[0], [1]],
+    }
+    study = {"recipe": "v1", "models": ["m"], "gpu_budget": 2, "tp": [1], "qps": [4]}
+    study["input_len"] = [128]
+    if confirm_top is not None:
+        study["confirm_top"] = confirm_top
+    return {
+        "backend": "emulator",
+        "slo": {"ttft": {"statistic": "p90", "max_ms": 500}},
+        "models": {"m": model},
+        "studies": {"split": study},
+    }
+
+
+def test_a_confirming_study_plans_the_twin_then_a_checkpoint_not_the_deployments(tmp_path):
+    workdir = copy_workflow(tmp_path / "confirm", budget_study(confirm_top=1))
+    dry = snakemake(workdir, "-n", "--cores", "1", "all")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    jobs = planned_jobs(dry)
+    assert jobs["simulate_cell"] == jobs["simulate_capacity"] == 3  # every topology simulated
+    assert jobs["confirm_candidates"] == 1
+    assert "cell" not in jobs and "capacity" not in jobs  # known after the checkpoint
+    # without confirm_top every topology is deployed, as before
+    workdir = copy_workflow(tmp_path / "all", budget_study(confirm_top=None))
+    jobs = planned_jobs(snakemake(workdir, "-n", "--cores", "1", "all"))
+    assert jobs["cell"] == jobs["capacity"] == 3 and "confirm_candidates" not in jobs
