@@ -867,6 +867,6 @@ def test_a_confirming_study_names_the_simulator_candidates_and_their_ranks() -> 
     assert (
         "The measured candidates were the simulator's top 2 of 17 topologies by capacity per "
         "GPU: 2x(TP4) (simulated rank 1, 1.24 req/s per GPU) and 3x(TP2) (rank 2, 1.19); the "
-        "other 15 were not deployed; no split was among them (the simulator's best, "
-        "2P(TP2)+1D(TP2) (rank 3, 1.08))."
+        "other 15 were not deployed; no split was among them (the simulator's best is "
+        "2P(TP2)+1D(TP2), rank 3, 1.08)."
     ) in answer

@@ -109,5 +109,8 @@ def _candidates_sentence(c: Comparison, unit: str, several: bool) -> str:
     picked = {p.topology for p in c.picked}
     for kind, best in (("aggregated setup", c.best_aggregated), ("split", c.best_split)):
         if best is not None and best.topology not in picked:  # the picks are the top ranks
-            text += f"; no {kind} was among them (the simulator's best, {_ranked(best)})"
+            text += (
+                f"; no {kind} was among them (the simulator's best is {best.topology}, rank "
+                f"{best.simulated_rank}, {fmt_sig(best.simulated_capacity_per_gpu)})"
+            )
     return text + "."
