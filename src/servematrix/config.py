@@ -30,6 +30,7 @@ from servematrix.matrix import (
     Workload,
     mode_spec,
 )
+from servematrix.recipes import recipe_version, recipes_that
 from servematrix.sessions import Sessions, longest_conversation_tokens, plan
 from servematrix.slo import Slo, replacement_for_slo_ms
 from servematrix.topology import parse, within_budget
@@ -196,11 +197,11 @@ def _budget_modes(base: str, data: Mapping[str, Any], models: Mapping[str, Model
     budget = data["gpu_budget"]
     if "modes" in data:
         raise ConfigError(f"{base}.gpu_budget", "a study gives modes or a gpu_budget, not both")
-    if data["recipe"] != "v1":
+    if recipe_version(data["recipe"]).kv.lookup_buffer:
         raise ConfigError(
             f"{base}.gpu_budget",
-            f"needs recipe v1 (recipe {data['recipe']}'s Mooncake runs one prefill and one "
-            "decode instance)",
+            f"needs recipe {_xpyd_recipes()} (recipe {data['recipe']}'s Mooncake runs one "
+            "prefill and one decode instance)",
         )
     tps = tuple(data.get("tp", [2**k for k in range(budget.bit_length()) if 2**k <= budget]))
     for i, tp in enumerate(tps):
@@ -216,10 +217,15 @@ def _budget_modes(base: str, data: Mapping[str, Any], models: Mapping[str, Model
     return [topology.spelling for topology in within_budget(budget, tps)]
 
 
+def _xpyd_recipes() -> str:
+    """The recipes whose connector runs more than one prefill or decode instance."""
+    return recipes_that(lambda version: not version.kv.lookup_buffer)
+
+
 def _check_topology(where: str, data: Mapping[str, Any], mode: ModeSpec, model: ModelSpec) -> None:
     """A topology runs on recipe v1 and is pinned from the model's GPU list."""
-    if data["recipe"] != "v1":
-        raise ConfigError(where, f"the topology {mode.name} needs recipe v1")
+    if recipe_version(data["recipe"]).kv.lookup_buffer:
+        raise ConfigError(where, f"the topology {mode.name} needs recipe {_xpyd_recipes()}")
     pinned = sum(len(gpus) for gpus in model.gpus)
     needed = parse(mode.name).gpus
     if pinned < needed:
@@ -276,8 +282,13 @@ def _check_offloading(
         return
     key = "kv_offloading_size"
     where = f"{base}.workload.{key}" if key in data.get("workload", {}) else f"defaults.{key}"
-    if recipe != "v1":
-        raise ConfigError(where, f"needs recipe v1 (vLLM 0.6, recipe {recipe}, has no such flag)")
+    version = recipe_version(recipe)
+    if not version.kv_offloading:
+        raise ConfigError(
+            where,
+            f"needs recipe {recipes_that(lambda v: v.kv_offloading)} (vLLM "
+            f"{version.vllm_series}, recipe {recipe}, has no such flag)",
+        )
     if mode.disaggregated:
         raise ConfigError(
             where,

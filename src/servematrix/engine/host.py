@@ -137,12 +137,3 @@ alpha0; aiconfigurator's measured step alone is ~21 ms (Qwen2.5-7B, 1,024 tokens
 stands in for prefill time BLIS's step leaves out, and adding it to a measured prefill counted
 that time twice. The API path is ``V1_API_REQUEST_MS`` (idle TTFT 21 + 4 = 25 ms).
 Not fitted here."""
-
-
-def host_cost(recipe: str, enforce_eager: bool = False) -> HostCost:
-    """The host-side cost of the recipe's engine (``v0`` / ``v1``)."""
-    if recipe == "v0":
-        return V0_EAGER_HOST_COST if enforce_eager else V0_HOST_COST
-    if recipe == "v1":
-        return V1_HOST_COST
-    raise ValueError(f"unknown recipe {recipe!r} (known: v0, v1)")
