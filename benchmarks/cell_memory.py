@@ -10,7 +10,7 @@ The backends that send prompts (emulator, vllm, external) also hold the request 
 sends: its size per prompt token is measured with ``tracemalloc`` around
 ``servematrix.workload.build_requests``.
 
-``servematrix.config.cell_memory_bytes`` must stay above what this prints (it is the estimate
+``servematrix.configcheck.cell_memory_bytes`` must stay above what this prints (it is the estimate
 the config check compares with ``CELL_MEMORY_CEILING_BYTES``).
 
 Usage (from the repository root)::
@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from servematrix import config, workload
-from servematrix.config import CELL_MEMORY_CEILING_BYTES, cell_memory_bytes
+from servematrix.configcheck import CELL_MEMORY_CEILING_BYTES, cell_memory_bytes
 
 CHILD = """
 import dataclasses, json, resource, sys

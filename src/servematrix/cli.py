@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from servematrix import __version__, bench, config, metrics, trace
+from servematrix import __version__, bench, configcheck, metrics, trace
 from servematrix.calibration import cli as calibrate_cli
 from servematrix.deploy import dryrun as deploy_dryrun
 from servematrix.matrix import ConfigError, gpus_needed
@@ -42,7 +42,7 @@ def _check(args: argparse.Namespace) -> int:
     if cfg.raw.get("node", {}).get("kind") == "cpu":
         print(f"CPU cores pinned: {pinned}")
     else:
-        node = cfg.raw.get("node", {}).get("gpus", config.DEFAULT_NODE_GPUS)
+        node = cfg.raw.get("node", {}).get("gpus", configcheck.DEFAULT_NODE_GPUS)
         print(f"GPU ids pinned: {pinned} (of {node} on the node)")
     warnings = logging.StreamHandler(sys.stderr)
     warnings.setFormatter(logging.Formatter("servematrix: warning: %(message)s"))
