@@ -1,8 +1,9 @@
 """The recipe versions: one module per version, one line each in :data:`RECIPE_VERSIONS`.
 
 Adding a version is a new module beside ``v0.py`` / ``v1.py`` (a :class:`RecipeVersion`) and a
-line below; a new KV connector also needs its implementation in the simulator and the emulator
-(named by ``KvConnector.name``), and ``config/schema.yaml`` lists the names a config may use.
+line below, plus its name in ``config/schema.yaml`` and its ``envs/vllm-<name>.yaml``; a new KV
+connector also needs its player in the emulator and, for a third kind of handoff, the simulator
+(docs/architecture.md, "Adding a recipe version").
 """
 
 from __future__ import annotations
