@@ -10,8 +10,8 @@ The backends that send prompts (emulator, vllm, external) also hold the request 
 sends: its size per prompt token is measured with ``tracemalloc`` around
 ``servematrix.workload.build_requests``.
 
-``servematrix.spec.config.cell_memory_bytes`` must stay above what this prints (it is the estimate
-the config check compares with ``CELL_MEMORY_CEILING_BYTES``).
+``servematrix.spec.configcheck.cell_memory_bytes`` must stay above what this prints (it is the
+estimate the config check compares with ``CELL_MEMORY_CEILING_BYTES``).
 
 Usage (from the repository root)::
 
@@ -32,7 +32,7 @@ import yaml
 
 from servematrix import workload
 from servematrix.spec import config
-from servematrix.spec.config import CELL_MEMORY_CEILING_BYTES, cell_memory_bytes
+from servematrix.spec.configcheck import CELL_MEMORY_CEILING_BYTES, cell_memory_bytes
 
 CHILD = """
 import dataclasses, json, resource, sys

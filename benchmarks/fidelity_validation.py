@@ -506,15 +506,15 @@ def validation_points(
 def implied_host_step_ms(run: ValidationRun) -> float:
     """The host cost per step that would make a batch-1 offline row match exactly: published
     time minus the GPU steps, over the number of steps (v0 has no per-request part)."""
-    from servematrix.engine.host import host_cost
     from servematrix.engine.scheduler import Request
+    from servematrix.recipes import recipe_version
 
     instance = _offline_setup(run, jitter_cv=0.0).instance(0)
     instance.add_request(Request(0, run.input_len, run.output_len))
     elapsed_ms = 0.0
     while instance.has_work():
         elapsed_ms += instance.step().duration_s * 1e3
-    cost = host_cost(run.recipe, run.enforce_eager)
+    cost = recipe_version(run.recipe).host_cost_with(run.enforce_eager)
     gpu_ms = elapsed_ms - instance.steps * (cost.step_ms + cost.per_seq_ms)
     published_ms = run.output_len / run.published["speed_tokens_per_s"] * 1e3
     return (published_ms - gpu_ms) / instance.steps
@@ -527,13 +527,13 @@ shortest input (no attention), so the step is as well known as it gets and the r
 
 def format_host_fit(runs: Sequence[ValidationRun]) -> list[str]:
     """The v0 host step cost each fitting row implies, their median, and the constant in use."""
-    from servematrix.engine.host import host_cost
+    from servematrix.recipes import recipe_version
 
     fits = {run.row: implied_host_step_ms(run) for run in runs if run.row in HOST_FIT_ROWS}
     lines = ["== v0 host cost per step implied by the qwen2-speed rows it is fitted on (ms)"]
     lines += [f"  {row:<20} {value:.2f}" for row, value in fits.items()]
     lines.append(
         f"  median {statistics.median(fits.values()):.2f}; in use "
-        f"(servematrix.engine.host): {host_cost('v0').step_ms:.2f}"
+        f"(servematrix.engine.host): {recipe_version('v0').host_cost.step_ms:.2f}"
     )
     return lines

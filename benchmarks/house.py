@@ -22,6 +22,7 @@ PACKAGE_DIR = ROOT / "src" / "servematrix"
 LAYERS = (
     "common",
     "workload",
+    "recipes",
     "spec",
     "engine",
     "simulate",

@@ -197,7 +197,7 @@ def test_wire_shapes_per_generation():
         "param": "model",
         "code": 404,
     }
-    assert wire.system_fingerprint(4, "cfg").startswith("vllm-0.33.0-tp4-")
+    assert wire.system_fingerprint("v1", 4, "cfg").startswith("vllm-0.33.0-tp4-")
 
 
 def _setup(recipe="v0"):

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from servematrix.engine.host import (
-    V0_EAGER_HOST_COST,
-    V0_HOST_COST,
-    V1_HOST_COST,
-    HostCost,
-    WithHostCost,
-    host_cost,
-)
+from servematrix.engine.host import WithHostCost
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import build_engine_setup
 from servematrix.engine.steptime import StepBatch
+from servematrix.recipes import UnknownRecipeError, recipe_version
+from servematrix.recipes.base import HostCost
+from servematrix.recipes.v0 import V0_EAGER_HOST_COST, V0_HOST_COST
+from servematrix.recipes.v1 import V1_HOST_COST
 from servematrix.simulate import simulate
 from servematrix.spec.matrix import MODES, Cell, ModelSpec, Serving, Workload
 
@@ -47,16 +44,17 @@ def test_negative_cost_is_refused() -> None:
 
 
 def test_per_recipe_cost_and_unknown_recipe() -> None:
-    assert host_cost("v0") == V0_HOST_COST
-    assert host_cost("v0").step_ms > 0 and not host_cost("v0").per_seq_ms
-    assert host_cost("v1") == host_cost("v1", enforce_eager=True) == V1_HOST_COST
-    with pytest.raises(ValueError, match="unknown recipe 'v2'"):
-        host_cost("v2")
+    v0, v1 = recipe_version("v0"), recipe_version("v1")
+    assert v0.host_cost_with(enforce_eager=False) == V0_HOST_COST
+    assert V0_HOST_COST.step_ms > 0 and not V0_HOST_COST.per_seq_ms
+    assert v1.host_cost_with(False) == v1.host_cost_with(True) == V1_HOST_COST
+    with pytest.raises(UnknownRecipeError, match=r"^unknown recipe 'v2' \(known: v0, v1\)$"):
+        recipe_version("v2")
 
 
 def test_eager_v0_processes_outputs_on_the_critical_path() -> None:
     """vLLM 0.6 turns the async output processor off under --enforce-eager."""
-    eager = host_cost("v0", enforce_eager=True)
+    eager = recipe_version("v0").host_cost_with(enforce_eager=True)
     assert eager == V0_EAGER_HOST_COST
     assert eager.per_seq_ms == V0_HOST_COST.overlapped_per_seq_ms > 0
     assert not eager.overlapped_per_seq_ms
@@ -66,7 +64,7 @@ def test_eager_v0_processes_outputs_on_the_critical_path() -> None:
 
 
 def test_v1_has_an_api_server_in_front_and_a_small_engine_core_cost() -> None:
-    cost = host_cost("v1")
+    cost = recipe_version("v1").host_cost
     assert 0 < cost.step_ms < 1 and 0 < cost.per_seq_ms < 0.01
     assert cost.overlapped_per_seq_ms > 0 and cost.request_ms > 0
     assert "API server" in cost.label

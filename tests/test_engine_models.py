@@ -271,7 +271,7 @@ def test_v1_runs_mixed_steps_up_to_its_capture_size_under_cuda_graphs():
 
     arch = load_architecture("qwen2.5-7b")
     assert v1_graph_max_tokens(256, 2048) == 512 and v1_graph_max_tokens(8, 2048) == 16
-    v0 = RooflineStepTime(arch, A100, 1, v0_engine=True)
+    v0 = RooflineStepTime(arch, A100, 1, tp_step_broadcast=True)
     v1 = RooflineStepTime(arch, A100, 1, graph_max_tokens=512)
     saved_ms = (0.030 - 0.010) * arch.num_layers
     mixed = StepBatch(((256, 0),), (1024,) * 32)  # 288 tokens

@@ -18,7 +18,7 @@ from servematrix import dryrun as deploy_dryrun
 from servematrix.calibration import cli as calibrate_cli
 from servematrix.client import bench
 from servematrix.results import metrics
-from servematrix.spec import config, trace
+from servematrix.spec import configcheck, trace
 from servematrix.spec.matrix import ConfigError, gpus_needed
 
 LATENCY_ROWS = (
@@ -45,7 +45,7 @@ def _check(args: argparse.Namespace) -> int:
     if cfg.raw.get("node", {}).get("kind") == "cpu":
         print(f"CPU cores pinned: {pinned}")
     else:
-        node = cfg.raw.get("node", {}).get("gpus", config.DEFAULT_NODE_GPUS)
+        node = cfg.raw.get("node", {}).get("gpus", configcheck.DEFAULT_NODE_GPUS)
         print(f"GPU ids pinned: {pinned} (of {node} on the node)")
     warnings = logging.StreamHandler(sys.stderr)
     warnings.setFormatter(logging.Formatter("servematrix: warning: %(message)s"))

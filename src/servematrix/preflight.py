@@ -30,7 +30,8 @@ from servematrix.engine.setup import (
     step_time_model,
     warn_fallback,
 )
-from servematrix.spec.matrix import V0_AUTO_CHUNKED_ABOVE, Cell, Config, ConfigError
+from servematrix.recipes import recipe_version, recipes_that
+from servematrix.spec.matrix import Cell, Config, ConfigError
 from servematrix.workload import WorkloadError, check_dataset
 from servematrix.workload.datasets import dataset_of
 
@@ -106,12 +107,15 @@ def _check_plain_prefill(cfg: Config) -> None:
             mode, max_model_len = cell.mode, cell.serving.max_model_len
             if not backend_of(cell.backend).SETS_FLAGS or mode.chunked_prefill is not False:
                 continue
-            if cell.recipe == "v0" and max_model_len > V0_AUTO_CHUNKED_ABOVE:
+            version = recipe_version(cell.recipe)
+            above = version.auto_chunked_above_tokens
+            if above is not None and max_model_len > above:
                 raise ConfigError(
                     f"studies.{name}.modes[{study.modes.index(mode.name)}]",
-                    f"mode {mode.name!r} is plain prefill, but vLLM 0.6 (recipe v0) chunks "
-                    f"prefills by itself above max_model_len {V0_AUTO_CHUNKED_ABOVE} (here "
-                    f"{max_model_len}): lower max_model_len, or use recipe v1",
+                    f"mode {mode.name!r} is plain prefill, but vLLM {version.vllm_series} (recipe "
+                    f"{cell.recipe}) chunks prefills by itself above max_model_len {above} (here "
+                    f"{max_model_len}): lower max_model_len, or use recipe "
+                    f"{recipes_that(lambda v: v.auto_chunked_above_tokens is None)}",
                 )
 
 

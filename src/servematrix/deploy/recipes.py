@@ -3,7 +3,8 @@
 A recipe is a table of argv segments, each kept or dropped by a named condition of the mode
 (aggregated, disaggregated, chunked prefill on/off, ...). The segments reproduce, token for
 token, the command lines of ``shared/reference/vllm-mooncake-spec.md`` §4 (v0: the published
-vLLM 0.6 studies; v1: current vLLM with the in-tree MooncakeConnector). What servematrix adds
+vLLM 0.6 studies; v1: current vLLM with the in-tree MooncakeConnector); each version's table is
+its ``commands`` in ``servematrix.recipes``. What servematrix adds
 to those lines always comes *after* them, so the published line stays a prefix of ours:
 
 * ``--host H`` (services bind 127.0.0.1 unless ``deploy.host`` says otherwise; vLLM's own
@@ -34,6 +35,8 @@ from typing import Any
 
 from servematrix.deploy.layout import Slot, slots
 from servematrix.engine.hardware import DEFAULT_GPU
+from servematrix.recipes import RECIPE_VERSIONS
+from servematrix.recipes.base import DEPLOYMENT_DIR, Recipe
 from servematrix.spec.matrix import Cell
 
 EMULATED_BACKEND = "emulator"  # vLLM's deployment with the emulator in vLLM's place
@@ -41,104 +44,8 @@ DEPLOYED_BACKENDS = ("vllm", EMULATED_BACKEND)  # the registry's DEPLOYS (tests/
 EMULATOR_EXECUTABLE = ("servematrix-emulator", "serve")
 EMULATOR_KV_LINK_ENV = "SERVEMATRIX_EMULATOR_KV_LINK"
 PROXY_EXECUTABLE = ("python3", "-m", "servematrix.proxy")
-DEPLOYMENT_DIR = "@DEPLOYMENT_DIR@"
-"""Placeholder for the deployment's own directory (mooncake.json, etcd data): filled in after
-the fingerprint is taken, so the fingerprint depends on the commands, not on where they run."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Argv tokens kept when ``when`` holds (None = always); ``{name}`` is filled per instance."""
-
-    tokens: tuple[str, ...]
-    when: str | None = None
-
-
-@dataclass(frozen=True)
-class Recipe:
-    name: str
-    executable: tuple[str, ...]
-    args: tuple[Segment, ...]
-    kv_transfer_config: Mapping[str, Mapping[str, Any]]
-    """``--kv-transfer-config`` per role (``kv_producer``, ``kv_consumer``), ``{...}`` filled."""
-    producer_env: Mapping[str, str] = field(default_factory=dict)
-    disaggregated_env: Mapping[str, str] = field(default_factory=dict)
-    etcd: bool = False
-    """Mooncake modes need an etcd server and a ``mooncake.json`` (v0 only)."""
-    disagg_proxy: str = "disagg-v1"
-    prefix_cache_reset_env: Mapping[str, str] | None = None
-    """With prefix caching on, the environment that gives each server ``POST
-    /reset_prefix_cache``, so a warm deployment starts a cell with an empty cache; None: the
-    version has no such route, and a deployment that caches prefixes starts fresh per cell."""
-
-
-V0 = Recipe(
-    name="v0",
-    executable=("python3", "-m", "vllm.entrypoints.openai.api_server"),
-    args=(
-        Segment(("--model", "{model}"), "model_flag"),
-        Segment(("{model}",), "model_positional"),
-        Segment(("--port", "{port}", "-tp", "{tp}", "--max-model-len", "{max_model_len}")),
-        # The published aggregated launches silence the per-request logs; the Mooncake doc's
-        # disaggregated launches do not (spec §1.1 vs §2.2).
-        Segment(("--disable-log-stats", "--disable-log-requests"), "aggregated"),
-        Segment(("--enable-chunked-prefill",), "chunked_on"),
-        Segment(("--gpu-memory-utilization", "{gpu_memory_utilization}")),
-        Segment(("--kv-transfer-config", "{kv_transfer_config}"), "disaggregated"),
-        # Config `prefix_caching: true` (off by default in 0.6), after the published line.
-        Segment(("--enable-prefix-caching",), "prefix_caching_on"),
-    ),
-    kv_transfer_config={
-        "kv_producer": {
-            "kv_connector": "MooncakeConnector",
-            "kv_role": "kv_producer",
-            "kv_rank": 0,
-            "kv_parallel_size": 2,
-            "kv_buffer_size": "{kv_buffer_size}",
-        },
-        "kv_consumer": {
-            "kv_connector": "MooncakeConnector",
-            "kv_role": "kv_consumer",
-            "kv_rank": 1,
-            "kv_parallel_size": 2,
-            "kv_buffer_size": "{kv_buffer_size}",
-        },
-    },
-    disaggregated_env={"MOONCAKE_CONFIG_PATH": f"{DEPLOYMENT_DIR}/mooncake.json"},
-    etcd=True,
-    disagg_proxy="disagg-v0",
-)
-
-V1 = Recipe(
-    name="v1",
-    executable=("vllm", "serve"),
-    args=(
-        Segment(("{model}",), "model_positional"),
-        Segment(("--model", "{model}"), "model_flag"),
-        Segment(("--port", "{port}", "-tp", "{tp}", "--max-model-len", "{max_model_len}")),
-        Segment(("--gpu-memory-utilization", "{gpu_memory_utilization}")),
-        # Parity with v0: V1 turns prefix caching and chunked prefill on by default (config
-        # `prefix_caching: true` asks for it in the same place).
-        Segment(("--no-enable-prefix-caching",), "prefix_caching_off"),
-        Segment(("--enable-prefix-caching",), "prefix_caching_on"),
-        Segment(("--no-enable-chunked-prefill",), "chunked_off"),
-        Segment(("--enable-chunked-prefill",), "chunked_on"),
-        Segment(("--kv-transfer-config", "{kv_transfer_config}"), "disaggregated"),
-    ),
-    kv_transfer_config={
-        role: {
-            "kv_connector": "MooncakeConnector",
-            "kv_role": role,
-            "kv_connector_extra_config": {"mooncake_protocol": "{protocol}"},
-        }
-        for role in ("kv_producer", "kv_consumer")
-    },
-    producer_env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": "{bootstrap_port}"},
-    disagg_proxy="disagg-v1",
-    prefix_cache_reset_env={"VLLM_SERVER_DEV_MODE": "1"},  # the route exists in dev mode only
-)
-
-RECIPES: dict[str, Recipe] = {"v0": V0, "v1": V1}
+RECIPES: dict[str, Recipe] = {name: v.commands for name, v in RECIPE_VERSIONS.items()}
+"""The command lines of each recipe version (``servematrix.recipes``)."""
 
 EMULATOR_FLAGS = (
     "--gpu",

@@ -39,6 +39,7 @@ from servematrix.engine.setup import (
     EngineSetup,
 )
 from servematrix.engine.setup import engine_setup as setup_of_flags
+from servematrix.recipes import RECIPE_NAMES, recipe_version
 from servematrix.workload import TokenCounter
 
 PROG = "servematrix-emulator"
@@ -46,27 +47,6 @@ MODELLED_QUANTIZATIONS = ("bf16", "awq", "gptq-int4", "gptq-int8", "fp8")
 SHUTDOWN_GRACE_S = 1.0
 NODE_GPUS = 8
 """GPUs of the modelled node when ``CUDA_VISIBLE_DEVICES`` is unset (the studies' 8-GPU hosts)."""
-
-V1_KV_KEYS = {
-    "kv_connector",
-    "kv_role",
-    "engine_id",
-    "kv_port",
-    "kv_buffer_device",
-    "kv_connector_extra_config",
-    "kv_connector_module_path",
-    "kv_load_failure_policy",
-}
-V0_KV_KEYS = {
-    "kv_connector",
-    "kv_buffer_device",
-    "kv_buffer_size",
-    "kv_role",
-    "kv_rank",
-    "kv_parallel_size",
-    "kv_ip",
-    "kv_port",
-}
 
 
 class StartupError(RuntimeError):
@@ -124,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--seed", type=int, default=0)
     emu = parser.add_argument_group("emulator flags (or SERVEMATRIX_EMULATOR_* variables)")
     emu.add_argument("--gpu", default=_env("GPU", DEFAULT_GPU), help="modelled GPU")
-    emu.add_argument("--recipe", choices=("v0", "v1"), default=_env("RECIPE", "v1"))
+    emu.add_argument("--recipe", choices=RECIPE_NAMES, default=_env("RECIPE", "v1"))
     emu.add_argument(
         "--step-time-profile",
         default=_env("STEP_TIME_PROFILE"),
@@ -223,19 +203,20 @@ def check_kv_transfer_config(config: dict | None, recipe: str, environ=os.enviro
     """Validate ``--kv-transfer-config`` as the recipe's vLLM would; returns the KV role."""
     if config is None:
         return None
-    allowed = V1_KV_KEYS if recipe == "v1" else V0_KV_KEYS
-    unknown = sorted(set(config) - allowed)
+    kv = recipe_version(recipe).kv
+    unknown = sorted(set(config) - kv.transfer_config_keys)
     if unknown:
         lines = "\n".join(f"{key}\n  Unexpected keyword argument" for key in unknown)
         raise StartupError(f"{len(unknown)} validation error(s) for KVTransferConfig\n{lines}")
+    env = kv.config_path_env
     if (
-        recipe == "v0"
+        env is not None
         and config.get("kv_connector") == "MooncakeConnector"
-        and not environ.get("MOONCAKE_CONFIG_PATH")
+        and not environ.get(env)
     ):
         raise StartupError(
-            "To use MooncakeConnector, you need to pass the ENV: "
-            "'MOONCAKE_CONFIG_PATH=/path/to/mooncake_config.json'."
+            f"To use MooncakeConnector, you need to pass the ENV: "
+            f"'{env}=/path/to/mooncake_config.json'."
         )
     return config.get("kv_role")
 
@@ -282,7 +263,7 @@ def _max_model_len(args: argparse.Namespace, model: ModelInfo) -> int:
 def _log(recipe: str, message: str) -> None:
     """A vLLM-formatted log line (0.33 prefixes the process)."""
     stamp = time.strftime("%m-%d %H:%M:%S")
-    if recipe == "v1":
+    if recipe_version(recipe).server.api_server_log_prefix:
         print(f"(APIServer pid={os.getpid()}) INFO {stamp} [api_server.py] {message}", flush=True)
     else:
         print(f"INFO {stamp} api_server.py] {message}", flush=True)
@@ -331,14 +312,12 @@ async def serve(args: argparse.Namespace, setup: EngineSetup, settings: ServerSe
             f"[Errno {error.errno}] error while attempting to bind on address "
             f"('{host}', {args.port}): {error.strerror}"
         ) from None
-    _log(
-        args.recipe,
-        f"Starting vLLM {'' if args.recipe == 'v1' else 'API '}server on http://{host}:{args.port}",
-    )
+    dialect = recipe_version(args.recipe).server
+    _log(args.recipe, f"{dialect.startup_banner} on http://{host}:{args.port}")
     print(f"INFO:     Started server process [{os.getpid()}]", flush=True)
     print("INFO:     Waiting for application startup.", flush=True)
     print("INFO:     Application startup complete.", flush=True)
-    if args.recipe == "v0":
+    if dialect.uvicorn_running_line:
         print(
             f"INFO:     Uvicorn running on http://{host}:{args.port} (Press CTRL+C to quit)",
             flush=True,
@@ -376,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     served = args.served_model_name or [args.model]
     _log(
         args.recipe,
-        f"servematrix emulator of vLLM {wire.VERSIONS[args.recipe]}: {args.model} as "
+        f"servematrix emulator of vLLM {recipe_version(args.recipe).vllm_version}: {args.model} as "
         f"{setup.arch.name} ({model.quantization}) on {setup.gpu} TP {args.tensor_parallel_size}, "
         f"{setup.kv.num_blocks} KV blocks, step time {setup.step_time_label}",
     )
@@ -386,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         root=args.model,
         max_model_len=max_model_len,
         fingerprint=wire.system_fingerprint(
-            args.tensor_parallel_size, json.dumps(vars(args), default=str)
+            args.recipe, args.tensor_parallel_size, json.dumps(vars(args), default=str)
         ),
         kv_role=kv_role,
         faults=Faults(

@@ -56,7 +56,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from servematrix.emulator.kvconnector import (
@@ -71,6 +71,7 @@ from servematrix.emulator.mooncake_v0 import MooncakeV0
 from servematrix.emulator.mooncake_v1 import MooncakeV1
 from servematrix.engine.architecture import Architecture
 from servematrix.engine.transfer import KvLink, kv_bytes_per_token_per_rank, kv_link
+from servematrix.recipes import recipe_version
 
 
 def connector(
@@ -103,22 +104,50 @@ def connector(
             f"kv_consumer, not {name} as {role}"
         )
     per_token = kv_bytes_per_token_per_rank(arch, tensor_parallel, recipe)
-    if recipe == "v1":
-        extra = kv_transfer_config.get("kv_connector_extra_config") or {}
-        protocol = extra.get("mooncake_protocol", "rdma")
-        return MooncakeV1(
-            role,
-            _link("v1", protocol, tensor_parallel, overrides),
-            per_token,
-            engine_id=str(kv_transfer_config.get("engine_id") or uuid.uuid4()),
-            host=host,
-            bootstrap_port=int(
-                environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", str(DEFAULT_BOOTSTRAP_PORT))
-            ),
-            abort_timeout_s=float(
-                environ.get("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", str(DEFAULT_ABORT_TIMEOUT_S))
-            ),
-        )
+
+    def link_of(protocol: str) -> KvLink:
+        return _link(recipe, protocol, tensor_parallel, overrides)
+
+    build = _CONNECTORS[recipe_version(recipe).kv.name]
+    return build(role, kv_transfer_config, link_of, per_token, host, environ)
+
+
+def _mooncake_v1(
+    role: str,
+    kv_transfer_config: Mapping[str, Any],
+    link_of: Callable[[str], KvLink],
+    per_token: float,
+    host: str | None,
+    environ: Mapping[str, str],
+) -> KvConnector:
+    """V1's in-tree connector: the protocol from ``kv_connector_extra_config``, the bootstrap
+    port from the environment."""
+    extra = kv_transfer_config.get("kv_connector_extra_config") or {}
+    protocol = extra.get("mooncake_protocol", "rdma")
+    return MooncakeV1(
+        role,
+        link_of(protocol),
+        per_token,
+        engine_id=str(kv_transfer_config.get("engine_id") or uuid.uuid4()),
+        host=host,
+        bootstrap_port=int(
+            environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", str(DEFAULT_BOOTSTRAP_PORT))
+        ),
+        abort_timeout_s=float(
+            environ.get("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", str(DEFAULT_ABORT_TIMEOUT_S))
+        ),
+    )
+
+
+def _mooncake_v0(
+    role: str,
+    kv_transfer_config: Mapping[str, Any],
+    link_of: Callable[[str], KvLink],
+    per_token: float,
+    host: str | None,
+    environ: Mapping[str, str],
+) -> KvConnector:
+    """V0's MooncakePipe: the protocol and the peers from ``MOONCAKE_CONFIG_PATH``."""
     path = environ.get("MOONCAKE_CONFIG_PATH", "")
     try:
         with open(path) as handle:
@@ -130,8 +159,11 @@ def connector(
         raise KvTransferError(f"{path}: missing {', '.join(missing)}")
     protocol = config.get("protocol", "tcp")
     buffer_bytes = float(kv_transfer_config.get("kv_buffer_size", DEFAULT_KV_BUFFER_BYTES))
-    link = _link("v0", protocol, tensor_parallel, overrides)
-    return MooncakeV0(role, link, per_token, config, path, buffer_bytes)
+    return MooncakeV0(role, link_of(protocol), per_token, config, path, buffer_bytes)
+
+
+_CONNECTORS = {"mooncake-v0": _mooncake_v0, "mooncake-v1": _mooncake_v1}
+"""Each ``KvConnector.name`` of ``servematrix.recipes``, played by the emulator."""
 
 
 def _link(recipe: str, protocol: str, tp: int, overrides: Any) -> KvLink:

@@ -34,6 +34,7 @@ from servematrix.engine.admission import (
     granted_max_tokens,
     kv_capacity_message,
 )
+from servematrix.recipes import recipe_version
 from servematrix.workload import TokenCounter
 
 EMPTY_TEXT_FRACTION = 0.02
@@ -126,7 +127,8 @@ class Emulator:
         app.router.add_delete("/servematrix/requests", self.clear_request_log)
         app.router.add_get("/servematrix/kv_cache", self.kv_cache)
         app.router.add_post("/servematrix/kv_cache/reset_peak", self.reset_kv_peak)
-        if self.settings.recipe == "v1" and os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
+        route_env = recipe_version(self.settings.recipe).commands.prefix_cache_reset_env
+        if route_env is not None and all(os.environ.get(k) == v for k, v in route_env.items()):
             app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         return app
 
@@ -134,7 +136,7 @@ class Emulator:
         return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:
-        return _json(wire.dumps({"version": wire.VERSIONS[self.settings.recipe]}))
+        return _json(wire.dumps({"version": recipe_version(self.settings.recipe).vllm_version}))
 
     async def models(self, request: web.Request) -> web.Response:
         s = self.settings
@@ -271,8 +273,8 @@ class Emulator:
         return self.engine.ignored(log.prompt_tokens, log.max_tokens)
 
     async def _parse(self, request: web.Request) -> dict[str, Any]:
-        recipe = self.settings.recipe
-        if recipe == "v1" and request.content_type != "application/json":
+        dialect = recipe_version(self.settings.recipe).server
+        if dialect.json_content_type_only and request.content_type != "application/json":
             raise RequestError(
                 400,
                 "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
@@ -293,7 +295,7 @@ class Emulator:
             )
         model = body.get("model")
         names = self.settings.served_names
-        if model is None and recipe == "v0":
+        if model is None and dialect.model_required:
             raise RequestError(
                 400, "1 validation error for CompletionRequest\nmodel\n  Field required"
             )
@@ -302,18 +304,18 @@ class Emulator:
             and model not in names
             and os.environ.get("VLLM_SKIP_MODEL_NAME_VALIDATION") != "1"
         ):
-            if recipe == "v1":
+            if dialect.unknown_model_lists_aliases:
                 message = f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}."
                 raise RequestError(404, message, "NotFoundError", "model")
             raise RequestError(404, f"The model `{model}` does not exist.", "NotFoundError")
-        if recipe == "v1" and body.get("stream_options") and not body.get("stream"):
-            raise RequestError(
-                400,
-                "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
-                param="stream_options",
-            )
-        if recipe == "v0" and body.get("stream_options") is not None and not body.get("stream"):
-            raise RequestError(400, "Stream options can only be defined when `stream=True`.")
+        options = body.get("stream_options")
+        given = options if dialect.empty_stream_options_allowed else options is not None
+        if given and not body.get("stream"):
+            message = "Stream options can only be defined when `stream=True`."
+            if dialect.error_names_parameter:
+                message += " (parameter=stream_options)"
+                raise RequestError(400, message, param="stream_options")
+            raise RequestError(400, message)
         return body
 
     def _tokens(self, body: dict[str, Any]) -> list[int] | list[str]:
@@ -325,7 +327,7 @@ class Emulator:
         """Prompt tokens and the output length, with vLLM's context-length rules (§4,
         ``servematrix.engine.admission``, shared with the simulator)."""
         prompt = _single_prompt(body)
-        if prompt == [] and self.settings.recipe == "v1":  # an empty batch of prompts
+        if prompt == [] and recipe_version(self.settings.recipe).server.empty_prompt_batch_error:
             raise RequestError(400, "You must pass at least one prompt")
         if prompt is None or prompt == "" or prompt == []:
             raise RequestError(
@@ -396,11 +398,12 @@ class Emulator:
         drop: bool,
     ) -> web.StreamResponse:
         recipe = self.settings.recipe
+        dialect = recipe_version(recipe).server
         options = body.get("stream_options")
-        if recipe == "v1":
-            include_usage = bool(options and options.get("include_usage", False))
-        else:
+        if dialect.include_usage_by_default:
             include_usage = options is not None and options.get("include_usage", True) is not False
+        else:
+            include_usage = bool(options and options.get("include_usage", False))
         continuous = include_usage and bool(options and options.get("continuous_usage_stats"))
         response = web.StreamResponse(
             status=200, headers={"Content-Type": "text/event-stream; charset=utf-8"}
@@ -409,6 +412,9 @@ class Emulator:
         prompt_tokens = stream.request.prompt_tokens
         total = stream.request.max_tokens
         fingerprint = self.settings.fingerprint
+        # Without a usage chunk the last token chunk carries the fingerprint (0.33).
+        closing = dialect.extended_response_fields and not include_usage
+        closing_fingerprint = fingerprint if closing else None
         sent = 0
         drop_after = self.settings.faults.drop_after_chunks if drop else None
         empty = random.Random(f"{self.settings.faults.seed}:{head['id']}")
@@ -431,7 +437,7 @@ class Emulator:
                 "length" if last else None,
                 counts,
                 self._kv_params(log) if last else None,
-                fingerprint if last and not include_usage and recipe == "v1" else None,
+                closing_fingerprint if last else None,
             )
             await response.write(chunk)
             log.chunk_s.append(time.monotonic())
@@ -455,7 +461,8 @@ class Emulator:
     def _kv_params(self, log: RequestLog) -> Any:
         """The request's ``kv_transfer_params`` back (0.33); a Mooncake producer answers null,
         as the real connector does (§8). 0.6 has no such field."""
-        if self.settings.recipe != "v1" or self.settings.kv_role == "kv_producer":
+        dialect = recipe_version(self.settings.recipe).server
+        if not dialect.extended_response_fields or self.settings.kv_role == "kv_producer":
             return None
         return log.kv_transfer_params
 

@@ -11,7 +11,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-VERSIONS = {"v1": "0.33.0", "v0": "0.6.6.post1"}
+from servematrix.recipes import recipe_version
 
 
 def dumps(document: Any) -> str:
@@ -30,14 +30,14 @@ def response_id(recipe: str, header_request_id: str | None) -> str:
     """``cmpl-`` + the ``X-Request-Id`` header, else random hex (16 chars in 0.33, 32 in 0.6)."""
     if header_request_id:
         return f"cmpl-{header_request_id}"
-    return "cmpl-" + secrets.token_hex(8 if recipe == "v1" else 16)
+    return "cmpl-" + secrets.token_hex(recipe_version(recipe).server.completion_id_hex_chars // 2)
 
 
-def system_fingerprint(tensor_parallel: int, config_text: str) -> str:
+def system_fingerprint(recipe: str, tensor_parallel: int, config_text: str) -> str:
     """``vllm-<version>[-tpN]-<hash8>`` (§2; the hash covers the server's configuration)."""
     tp = f"-tp{tensor_parallel}" if tensor_parallel > 1 else ""
     digest = hashlib.sha256(config_text.encode()).hexdigest()[:8]
-    return f"vllm-{VERSIONS['v1']}{tp}-{digest}"
+    return f"vllm-{recipe_version(recipe).vllm_version}{tp}-{digest}"
 
 
 _PATHS = (
@@ -57,7 +57,7 @@ def sanitize_message(message: str) -> str:
 def error_body(recipe: str, message: str, kind: str, code: int, param: str | None = None) -> str:
     """0.33 nests the error object (paths in its message sanitized); 0.6 writes it flat
     (§4, §11.1)."""
-    if recipe == "v1":
+    if recipe_version(recipe).server.nested_error_body:
         message = sanitize_message(message)
         return dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
     return dumps(
@@ -73,7 +73,7 @@ def usage(recipe: str, prompt_tokens: int, completion_tokens: int, *, chunk: boo
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
     }
-    if recipe == "v0" and chunk:
+    if chunk and not recipe_version(recipe).server.extended_response_fields:
         document["prompt_tokens_details"] = None
     return document
 
@@ -96,7 +96,7 @@ def token_chunk(
         "stop_reason": None,
     }
     document = dict(head)
-    if recipe == "v1":
+    if recipe_version(recipe).server.extended_response_fields:
         choice.update(prompt_token_ids=None, token_ids=None, weight_versions=None)
         document["choices"] = [choice]
         if fingerprint is not None:
@@ -113,7 +113,7 @@ def token_chunk(
 def usage_chunk(recipe: str, head: dict[str, Any], final_usage: dict, fingerprint: str) -> bytes:
     """The usage-only chunk before ``[DONE]`` (serialized without nulls)."""
     document = {**head, "choices": [], "usage": final_usage}
-    if recipe == "v1":
+    if recipe_version(recipe).server.extended_response_fields:
         document["system_fingerprint"] = fingerprint
     return sse(document)
 
@@ -136,7 +136,7 @@ def completion(
         "finish_reason": "length",
         "stop_reason": None,
     }
-    if recipe == "v1":
+    if recipe_version(recipe).server.extended_response_fields:
         choice.update(
             token_ids=None,
             prompt_logprobs=None,
@@ -244,12 +244,13 @@ def metrics_text(
     ``gpu_cache_usage_perc``. ``prefix_cache`` is (queried, hit) prompt tokens: 0.33's
     ``prefix_cache_{queries,hits}_total`` (0.6.6 exports only a hit-rate gauge, not emulated).
     ``histograms`` maps names of ``HISTOGRAM_HELP`` to (sum, count)."""
-    labels = f'model_name="{model_name}"' + (',engine="0"' if recipe == "v1" else "")
+    per_engine = recipe_version(recipe).server.engine_metrics
+    labels = f'model_name="{model_name}"' + (',engine="0"' if per_engine else "")
     series: list[tuple[str, float]] = [
         ("vllm:num_requests_running", running),
         ("vllm:num_requests_waiting", waiting),
     ]
-    if recipe == "v1":
+    if per_engine:
         series.append(("vllm:kv_cache_usage_perc", kv_usage))
     else:
         series += [
@@ -262,12 +263,12 @@ def metrics_text(
         ("vllm:prompt_tokens", prompt_tokens),
         ("vllm:generation_tokens", generation_tokens),
     ]
-    if recipe == "v1":
+    if per_engine:
         series += [
             ("vllm:prefix_cache_queries", prefix_cache[0]),
             ("vllm:prefix_cache_hits", prefix_cache[1]),
         ]
-    if recipe == "v0":
+    else:
         series.append(("vllm:tokens", prompt_tokens + generation_tokens))
     lines = []
     for name, value in series:

@@ -21,6 +21,8 @@ from here, so the two backends cannot drift apart.
 
 from __future__ import annotations
 
+from servematrix.recipes import recipe_version
+
 DEFAULT_MAX_TOKENS = 16
 """The OpenAI completions default ``max_tokens`` vLLM applies when a request gives none."""
 
@@ -43,9 +45,9 @@ def granted_max_tokens(
 
     ``text``: the prompt was text, not token ids (0.33 words a too-long text prompt
     differently, as it stops counting past the limit)."""
-    if recipe == "v0":
-        return _v0_max_tokens(prompt_tokens, max_tokens, max_model_len)
-    return _v1_max_tokens(prompt_tokens, max_tokens, max_model_len, text)
+    if recipe_version(recipe).clamps_max_tokens:
+        return _v1_max_tokens(prompt_tokens, max_tokens, max_model_len, text)
+    return _v0_max_tokens(prompt_tokens, max_tokens, max_model_len)
 
 
 def _v1_max_tokens(prompt: int, max_tokens: int | None, limit: int, text: bool) -> int:

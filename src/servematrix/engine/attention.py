@@ -41,6 +41,7 @@ from servematrix.engine.hardware import GpuSpec
 from servematrix.engine.kvcache import kv_bytes_per_token_per_gpu
 from servematrix.engine.roofline import DEFAULT_EFFICIENCY, EFFICIENCY
 from servematrix.engine.steptime import StepBatch, StepTimeModel
+from servematrix.recipes import recipe_version
 
 FA3_MIN_COMPUTE_CAPABILITY = 9.0
 """vLLM uses FlashAttention-3 on compute capability 9.x (Hopper), FlashAttention-2 below."""
@@ -54,7 +55,7 @@ def rereads_decode_kv(gpu: GpuSpec, arch: Architecture, recipe: str) -> bool:
     """Whether a mixed step runs its decodes unpacked: V1's single varlen call on a
     FlashAttention-2 GPU, for a model with grouped (or multi-) query attention."""
     return (
-        recipe == "v1"
+        recipe_version(recipe).mixed_step_single_varlen
         and gpu.compute_capability < FA3_MIN_COMPUTE_CAPABILITY
         and arch.num_attention_heads > arch.num_kv_heads
     )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from servematrix.engine.architecture import Architecture
 from servematrix.engine.hardware import GIB, GpuSpec
+from servematrix.recipes import recipe_version
 
 BLOCK_SIZE_TOKENS = 16
 """vLLM's default ``--block-size`` on CUDA (V0 and V1)."""
@@ -41,10 +42,11 @@ def counted_reserve_gib(recipe: str, tp: int, enforce_eager: bool) -> float:
     """What the recipe's vLLM subtracts from its budget beyond weights and activations: the
     ``v0`` pin (0.6.6.post1) counts the TP buffers, not the graphs; the ``v1`` pin (0.33) the
     graphs, not the TP buffers."""
+    version = recipe_version(recipe)
     reserve = RUNTIME_RESERVE_GIB
-    if recipe == "v0" and tp > 1:
+    if version.budget_counts_tp_buffers and tp > 1:
         reserve += TP_RESERVE_GIB
-    if recipe == "v1" and not enforce_eager:
+    if version.budget_counts_cuda_graphs and not enforce_eager:
         reserve += CUDA_GRAPH_RESERVE_GIB
     return reserve
 

@@ -193,7 +193,7 @@ class RooflineStepTime:
         tp: int,
         quantization: str = "bf16",
         enforce_eager: bool = False,
-        v0_engine: bool = False,
+        tp_step_broadcast: bool = False,
         graph_max_tokens: int | None = None,
     ):
         """``graph_max_tokens``: V1's largest graphed step (`v1_graph_max_tokens`, pure decodes
@@ -240,7 +240,8 @@ class RooflineStepTime:
         else:
             self._allreduce_fixed_ms = 0.0
             self._allreduce_ms_per_token = 0.0
-        step_fixed = STEP_OVERHEAD_MS + (V0_TP_STEP_BROADCAST_MS if v0_engine and tp > 1 else 0.0)
+        broadcast_ms = V0_TP_STEP_BROADCAST_MS if tp_step_broadcast and tp > 1 else 0.0
+        step_fixed = STEP_OVERHEAD_MS + broadcast_ms
         self._eager_fixed_ms = (
             step_fixed
             + layers * LAYER_OVERHEAD_EAGER_MS

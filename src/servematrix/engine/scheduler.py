@@ -30,10 +30,11 @@ from dataclasses import dataclass, field, replace
 
 from servematrix.engine.hardware import CPU_HOST
 from servematrix.engine.kvcache import BlockPool
+from servematrix.recipes import recipe_version
 from servematrix.spec.matrix import chunks_prefill
 
-V0_DEFAULT_WATERMARK = 0.01
-"""V0 ``CacheConfig``/``BlockSpaceManager`` watermark: 1 % of blocks stay free on admission."""
+DEFAULT_MAX_NUM_SEQS = 256
+"""vLLM's ``max_num_seqs`` where the recipe sets no other (``EngineArgs``)."""
 
 V1_MIN_BATCHED_TOKENS = 2048
 """``DEFAULT_MAX_NUM_BATCHED_TOKENS`` in vLLM (``vllm/utils``, "a balance between ITL and TTFT")."""
@@ -94,33 +95,26 @@ def scheduler_config(
 def _default_scheduler_config(
     recipe: str, chunked_prefill: bool | None, max_model_len: int, gpu_name: str
 ) -> SchedulerConfig:
+    """vLLM's API-server defaults (``EngineArgs._set_default_args`` in V1) for the recipe."""
     chunked = chunks_prefill(recipe, chunked_prefill, max_model_len)
-    if recipe == "v0":
-        budget = V1_MIN_BATCHED_TOKENS if chunked else max(max_model_len, V1_MIN_BATCHED_TOKENS)
-        return SchedulerConfig(
-            policy="decode_first" if chunked else "prefill_first",
-            chunked_prefill=chunked,
-            max_num_batched_tokens=budget,
-            max_num_seqs=256,
-            watermark=V0_DEFAULT_WATERMARK,
-            preempt_blocks_admission=False,
-        )
-    if recipe == "v1":
-        large = gpu_name.startswith(("H100", "H200"))
-        # vLLM's API-server defaults (EngineArgs._set_default_args); on a CPU 128 sequences.
-        budget, seqs = (8192, 1024) if large else (2048, 128 if gpu_name == CPU_HOST else 256)
-        if not chunked:
-            budget = max(max_model_len, budget)
-        return SchedulerConfig(
-            policy="decode_first",
-            chunked_prefill=chunked,
-            max_num_batched_tokens=budget,
-            max_num_seqs=seqs,
-            watermark=0.0,
-            preempt_blocks_admission=True,
-            prefix_caching=True,
-        )
-    raise ValueError(f"unknown recipe {recipe!r} (known: v0, v1)")
+    defaults = recipe_version(recipe).scheduler
+    large = defaults.large_gpu_budget_and_seqs
+    if large is not None and gpu_name.startswith(("H100", "H200")):
+        budget, seqs = large
+    else:
+        seqs = defaults.max_num_seqs_on_cpu if gpu_name == CPU_HOST else DEFAULT_MAX_NUM_SEQS
+        budget = V1_MIN_BATCHED_TOKENS
+    if not chunked:
+        budget = max(max_model_len, budget)
+    return SchedulerConfig(
+        policy="decode_first" if chunked else defaults.unchunked_policy,
+        chunked_prefill=chunked,
+        max_num_batched_tokens=budget,
+        max_num_seqs=seqs,
+        watermark=defaults.watermark,
+        preempt_blocks_admission=defaults.preempt_blocks_admission,
+        prefix_caching=defaults.prefix_caching,
+    )
 
 
 _ONE_SEGMENT = 1 << 40

@@ -24,7 +24,7 @@ from servematrix.engine.aic_table import (
 from servematrix.engine.architecture import Architecture, load_architecture, shipped
 from servematrix.engine.attention import WithMixedStepKvReads, rereads_decode_kv
 from servematrix.engine.hardware import CPU_HOST, DEFAULT_GPU, GpuSpec, gpu_spec
-from servematrix.engine.host import NO_HOST_COST, HostCost, WithHostCost, host_cost
+from servematrix.engine.host import NO_HOST_COST, HostCost, WithHostCost
 from servematrix.engine.instance import EngineInstance, Jitter
 from servematrix.engine.kvcache import (
     BlockPool,
@@ -50,6 +50,7 @@ from servematrix.engine.roofline import (
 )
 from servematrix.engine.scheduler import Scheduler, SchedulerConfig, scheduler_config
 from servematrix.engine.steptime import StepTimeModel, WithDecodeOverhead
+from servematrix.recipes import recipe_version
 
 if TYPE_CHECKING:
     from servematrix.spec.matrix import Cell
@@ -315,9 +316,10 @@ def step_time_model(
             f"engine.gpu {CPU_HOST}: a CPU host's step times come only from a profile calibrated "
             "on it (servematrix calibrate --gpu cpu; engine: {profile: FILE})"
         )
+    version = recipe_version(flags.recipe)
     graph_max = (
         v1_graph_max_tokens(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
-        if flags.recipe == "v1"
+        if version.cuda_graphs_sized_by_scheduler
         else None
     )
     choice = _gpu_step_time_model(arch, flags, graph_max)
@@ -325,7 +327,7 @@ def step_time_model(
     if rereads_decode_kv(gpu, arch, flags.recipe):
         rereads = WithMixedStepKvReads(choice.model, arch, gpu, flags.tensor_parallel)
         choice = replace(choice, model=rereads, label=f"{choice.label} + {rereads.label}")
-    cost = host_cost(flags.recipe, flags.enforce_eager)
+    cost = version.host_cost_with(flags.enforce_eager)
     if cost == NO_HOST_COST:
         return choice
     label = f"{choice.label} + {flags.recipe} host ({cost.label})"
@@ -371,7 +373,7 @@ def _gpu_step_time_model(
     graphs, `roofline.v1_graph_max_tokens`, None: V0's rule) and V0's per-step TP broadcast."""
     enforce_eager, tp = flags.enforce_eager, flags.tensor_parallel
     gpu, quantization = gpu_spec(flags.gpu).name, flags.quantization
-    v0 = flags.recipe == "v0"
+    tp_step_broadcast = recipe_version(flags.recipe).tp_step_broadcast
 
     def roofline(arch: Architecture, gpu_name: str, tp_: int, quantization: str) -> StepTimeModel:
         return RooflineStepTime(
@@ -380,7 +382,7 @@ def _gpu_step_time_model(
             tp_,
             quantization,
             enforce_eager=enforce_eager,
-            v0_engine=v0,
+            tp_step_broadcast=tp_step_broadcast,
             graph_max_tokens=graph_max_tokens,
         )
 
@@ -394,7 +396,7 @@ def _gpu_step_time_model(
     if choice.fallback is not None:
         return choice
     eager = eager_launch_ms(arch, tp) if enforce_eager else 0.0
-    any_step = V0_TP_STEP_BROADCAST_MS if v0 and tp > 1 else 0.0
+    any_step = V0_TP_STEP_BROADCAST_MS if tp_step_broadcast and tp > 1 else 0.0
     if eager or any_step:
         extras = ["enforce_eager"] if enforce_eager else []
         extras += ["V0 TP broadcast"] if any_step else []

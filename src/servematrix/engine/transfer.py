@@ -27,80 +27,7 @@ from typing import Any
 
 from servematrix.engine.architecture import Architecture
 from servematrix.engine.kvcache import kv_bytes_per_token_per_gpu
-
-
-@dataclass(frozen=True)
-class LinkPreset:
-    """A KV path: wire bandwidth per NIC (GB/s, decimal), setup latency (ms), the default NIC
-    count (None = one NIC per TP rank, as on GPU nodes with a NIC per GPU) and, for the v0 CPU
-    path, the per-rank rate of its serialise/copy chain (None = GPU-direct, no CPU chain): the
-    first ``rank_cpu_fast_mb`` of a rank's shard at ``rank_cpu_fast_gb_s``, the rest at
-    ``rank_cpu_gb_s`` (docs/engine-model.md "Calibration")."""
-
-    name: str
-    nic_gb_s: float
-    setup_ms: float
-    nics: int | None = None
-    rank_cpu_gb_s: float | None = None
-    rank_cpu_fast_gb_s: float | None = None
-    rank_cpu_fast_mb: float = 0.0
-    provenance: str = ""
-
-
-A10_EXTRAPOLATED = (
-    "extrapolated from A10 hosts: fitted on Mooncake's vLLM 0.6.2 tables (A10-24GB nodes, "
-    "Alibaba Cloud eRDMA / TCP on a ~25 Gbit/s VPC network); the CPU copy chain dominates and "
-    "was never measured on other GPUs or hosts, so on any other hardware this is an extrapolation"
-)
-"""Provenance of the v0 presets (written into the trace metadata with the link)."""
-DATASHEET_V1 = (
-    "from datasheets and Mooncake's README (GPU-direct; not fitted on any measured vLLM run)"
-)
-
-LINK_PRESETS: dict[tuple[str, str], LinkPreset] = {
-    # V1 in-tree MooncakeConnector: GPU-direct RDMA writes by the Transfer Engine. Mooncake
-    # README: 87 GB/s over 4×200 Gb/s RoCE and 190 GB/s over 8×400 Gb/s, i.e. ~22-24 GB/s per
-    # NIC (87-95 % of line rate); llm-d-inference-sim's table: RoCE 200G ≈ 20 GB/s. One NIC per
-    # GPU (DGX/HGX). Setup 0.5-2 ms (llm-d table).
-    ("v1", "rdma"): LinkPreset("v1-rdma", 20.0, 1.0, provenance=DATASHEET_V1),
-    # V1 over Mooncake's TCP transport. Mooncake's EFA doc measured iperf3 at 9.5 GB/s (8
-    # streams) but Mooncake's own TCP transport at 0.11 GB/s ("unoptimized for throughput"); the
-    # README's "RDMA 2.4× faster than TCP" implies ~9 GB/s per 200 Gb/s NIC. Pessimistic preset:
-    # 1 GB/s per NIC, setup 5 ms (llm-d table: TCP 2-10 ms). Override with engine.kv_link.
-    ("v1", "tcp"): LinkPreset("v1-tcp", 1.0, 5.0, provenance=DATASHEET_V1),
-    # V0 MooncakePipe through CPU buffers (module docstring). Wire: Mooncake's A10 nodes used
-    # Alibaba Cloud eRDMA ("device_name": "erdma_0") on a VPC network of ~25 Gbit/s per node
-    # (≈3 GB/s, approximate); Mooncake published "1 NIC" and "2 NICs" rows. The CPU chain per
-    # rank (D2H copy, pickle, copy into the managed buffer, copy out, unpickle, pageable H2D:
-    # ~6 serial copies of the shard in one Python thread) dominates; its two rates are
-    # calibrated against all five Mooncake A10 tables (docs/engine-model.md "Calibration").
-    ("v0", "rdma"): LinkPreset(
-        "v0-rdma",
-        3.0,
-        2.0,
-        nics=1,
-        rank_cpu_gb_s=0.65,
-        rank_cpu_fast_gb_s=2.4,
-        rank_cpu_fast_mb=16.0,
-        provenance=A10_EXTRAPOLATED,
-    ),
-    # Mooncake TE's TCP transport over the same ~25 Gbit/s VPC network as eRDMA: the wire is
-    # the same, kernel TCP reaches ~80-85 % of it. 2.5 GB/s is the rate the two saturated,
-    # duration-pinned rows imply (v0.2-input TP 4, in 4096 and 8192: TCP takes 32 and 40 ms
-    # more per request than 1-NIC RDMA for 4 x 88 and 4 x 176 MB, i.e. 2.4 and 2.6 GB/s);
-    # it also gives TCP ≈ RDMA at TP 2/4, in 1024 (+8-9 ms per receive against 1-NIC RDMA: 5-6 ms
-    # of wire, 3 of setup), as published. Same CPU chain; longer setup (llm-d table: TCP 2-10 ms).
-    ("v0", "tcp"): LinkPreset(
-        "v0-tcp",
-        2.5,
-        5.0,
-        nics=1,
-        rank_cpu_gb_s=0.65,
-        rank_cpu_fast_gb_s=2.4,
-        rank_cpu_fast_mb=16.0,
-        provenance=A10_EXTRAPOLATED,
-    ),
-}
+from servematrix.recipes import recipe_version
 
 V0_PRODUCER_CHAIN_SHARE = 0.5
 """Share of the v0 copy chain that runs on the producer (D2H, serialise, copy into the managed
@@ -172,7 +99,7 @@ def kv_bytes_per_token_per_rank(arch: Architecture, tp: int, recipe: str) -> flo
     """What a prefill → decode transfer moves per prompt token and TP rank: the rank's KV heads'
     share (replicated below one head per rank), plus in V0 the last hidden state, which every
     rank sends."""
-    hidden = arch.hidden_size * 2 if recipe == "v0" else 0
+    hidden = arch.hidden_size * 2 if recipe_version(recipe).kv.sends_hidden_state else 0
     return kv_bytes_per_token_per_gpu(arch, tp) + hidden
 
 
@@ -194,7 +121,7 @@ def v0_receive_segments(receives: list[tuple[float, float]], step_s: float) -> l
 def kv_link(recipe: str, protocol: str, tp: int, overrides: Mapping[str, Any] | None) -> KvLink:
     """The preset of (recipe, protocol) with ``engine.kv_link`` overrides applied."""
     try:
-        preset = LINK_PRESETS[(recipe, protocol)]
+        preset = recipe_version(recipe).kv.link_presets[protocol]
     except KeyError:
         raise KeyError(
             f"no KV link preset for recipe {recipe!r} and protocol {protocol!r}"

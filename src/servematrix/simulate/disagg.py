@@ -28,6 +28,7 @@ from servematrix.engine.transfer import (
     kv_bytes_per_token_per_rank,
     kv_link,
 )
+from servematrix.recipes import recipe_version
 from servematrix.simulate.events import (
     ARRIVE,
     ARRIVE_DECODE,
@@ -72,11 +73,15 @@ class Disaggregated(V0Handoff, V1Handoff):
         served: Served,
         pipelined: bool = True,
     ):
-        if cell.recipe == "v0" and (len(prefills), len(decodes)) != (1, 1):
-            raise ValueError("the v0 Mooncake integration runs one prefill and one decode instance")
+        self.lookup_buffer = recipe_version(cell.recipe).kv.lookup_buffer
+        """V0's handoff (`servematrix.simulate.v0`): the decoder pulls the KV inside its step
+        from the producer's lookup buffer; else V1's (`servematrix.simulate.v1`)."""
+        if self.lookup_buffer and (len(prefills), len(decodes)) != (1, 1):
+            raise ValueError(
+                f"the {cell.recipe} Mooncake integration runs one prefill and one decode instance"
+            )
         self.cell = cell
-        self.pipelined = pipelined and cell.recipe == "v1"
-        self.generation = cell.recipe
+        self.pipelined = pipelined and not self.lookup_buffer
         self.lengths = lengths
         self.requests = Requests(lengths, served)
         self.prefills, self.decodes = prefills, decodes
@@ -137,7 +142,7 @@ class Disaggregated(V0Handoff, V1Handoff):
         # V0 receives inside the decoder's step; V1 adds a transfer at least this long.
         shortest = min(self._input_lens)
         self._link_min_s = (
-            0.0 if cell.recipe == "v0" else self.links[0].duration_alone_s(per_length[shortest][0])
+            0.0 if self.lookup_buffer else self.links[0].duration_alone_s(per_length[shortest][0])
         )
 
     def _set_event_tables(self) -> None:
@@ -177,13 +182,13 @@ class Disaggregated(V0Handoff, V1Handoff):
 
     def parameters(self) -> dict[str, Any]:
         params = {
-            "topology": f"disaggregated-{self.generation}",
+            "topology": f"disaggregated-{self.cell.recipe}",
             "proxy_hop": asdict(self.hop),
             "kv_link": asdict(self.link_config),
             "kv_bytes_per_prompt_token": self.bytes_per_prompt_token,
             "kv_bytes_per_token_per_rank": self.bytes_per_token_per_rank,
         }
-        if self.generation == "v0":
+        if self.lookup_buffer:
             params.update(self._v0_parameters())
         return params
 
@@ -334,7 +339,7 @@ class Disaggregated(V0Handoff, V1Handoff):
         if recording is not None:
             recording.steps.append((started, now, p))
         finished = [request.request_id for request in result.finished]
-        if self.generation == "v0":
+        if self.lookup_buffer:
             self._inserting.extend(finished)
             self._insert(now)
         elif finished:

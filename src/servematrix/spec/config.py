@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from servematrix.recipes import recipe_version, recipes_that
+from servematrix.spec.configcheck import check_input
 from servematrix.spec.matrix import (
     TRACE_DEFAULTS,
     Cell,
@@ -197,11 +199,11 @@ def _budget_modes(base: str, data: Mapping[str, Any], models: Mapping[str, Model
     budget = data["gpu_budget"]
     if "modes" in data:
         raise ConfigError(f"{base}.gpu_budget", "a study gives modes or a gpu_budget, not both")
-    if data["recipe"] != "v1":
+    if recipe_version(data["recipe"]).kv.lookup_buffer:
         raise ConfigError(
             f"{base}.gpu_budget",
-            f"needs recipe v1 (recipe {data['recipe']}'s Mooncake runs one prefill and one "
-            "decode instance)",
+            f"needs recipe {_xpyd_recipes()} (recipe {data['recipe']}'s Mooncake runs one "
+            "prefill and one decode instance)",
         )
     tps = tuple(data.get("tp", [2**k for k in range(budget.bit_length()) if 2**k <= budget]))
     for i, tp in enumerate(tps):
@@ -223,10 +225,15 @@ def _budget_modes(base: str, data: Mapping[str, Any], models: Mapping[str, Model
     return modes
 
 
+def _xpyd_recipes() -> str:
+    """The recipes whose connector runs more than one prefill or decode instance."""
+    return recipes_that(lambda version: not version.kv.lookup_buffer)
+
+
 def _check_topology(where: str, data: Mapping[str, Any], mode: ModeSpec, model: ModelSpec) -> None:
     """A topology runs on recipe v1 and is pinned from the model's GPU list."""
-    if data["recipe"] != "v1":
-        raise ConfigError(where, f"the topology {mode.name} needs recipe v1")
+    if recipe_version(data["recipe"]).kv.lookup_buffer:
+        raise ConfigError(where, f"the topology {mode.name} needs recipe {_xpyd_recipes()}")
     pinned = sum(len(gpus) for gpus in model.gpus)
     needed = parse(mode.name).gpus
     if pinned < needed:
@@ -283,8 +290,13 @@ def _check_offloading(
         return
     key = "kv_offloading_size"
     where = f"{base}.workload.{key}" if key in data.get("workload", {}) else f"defaults.{key}"
-    if recipe != "v1":
-        raise ConfigError(where, f"needs recipe v1 (vLLM 0.6, recipe {recipe}, has no such flag)")
+    version = recipe_version(recipe)
+    if not version.kv_offloading:
+        raise ConfigError(
+            where,
+            f"needs recipe {recipes_that(lambda v: v.kv_offloading)} (vLLM "
+            f"{version.vllm_series}, recipe {recipe}, has no such flag)",
+        )
     if mode.disaggregated:
         raise ConfigError(
             where,
@@ -504,35 +516,6 @@ def load_file(path: Path) -> Config:
     return load(read_yaml(path))
 
 
-# Bad input beyond the schema: each check names the key path, so a typo costs one line of
-# error before any job (issue 11). `servematrix check` and the workflow both run them in `load`.
-
-CELL_MEMORY_CEILING_BYTES = 4 * 2**30
-"""Largest estimated memory of one cell; a bigger cell is refused before it runs."""
-BYTES_PER_REQUEST = 4096
-BYTES_PER_INPUT_TOKEN = 48
-BYTES_PER_OUTPUT_TOKEN = 128
-"""Per request: its trace row and engine state, one streamed chunk (time, token count) per
-output token and, on the backends that send prompts, the prompt's token ids (a Python int
-each, and the request body). Above what ``benchmarks/cell_memory.py`` measures: about 3 kB per
-request and 80 B per output token in a simulated cell, 41 B per prompt token in the request
-list the client sends."""
-DEFAULT_NODE_GPUS = 8
-
-
-def cell_memory_bytes(
-    requests: int, input_len: int, output_len: int, sends_prompts: bool = True
-) -> int:
-    """Estimated memory of a cell of ``requests`` requests (warm-ups included); the simulator
-    replays lengths and holds no prompt (``sends_prompts`` False)."""
-    prompt = BYTES_PER_INPUT_TOKEN * input_len if sends_prompts else 0
-    return requests * (BYTES_PER_REQUEST + prompt + BYTES_PER_OUTPUT_TOKEN * output_len)
-
-
-def _gib(n_bytes: float) -> str:
-    return f"{n_bytes / 2**30:,.1f} GiB"
-
-
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key written twice in one mapping is an error."""
 
@@ -576,62 +559,3 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(str(path), "the config must be a mapping")
     return raw
-
-
-def _check_lists(data: Mapping[str, Any]) -> None:
-    """A value twice in a study's list would measure one cell twice (duplicate summary rows)."""
-    for name, study in data["studies"].items():
-        for key in ("models", "modes", "qps", "input_len", "tp"):
-            first: dict[Any, int] = {}
-            for i, value in enumerate(study.get(key, ())):
-                j = first.setdefault(value, i)
-                if j != i:
-                    raise ConfigError(
-                        f"studies.{name}.{key}[{i}]",
-                        f"{value!r} is already {key}[{j}]: each value once",
-                    )
-
-
-def _check_gpu_pins(data: Mapping[str, Any]) -> None:
-    if data.get("node", {}).get("kind") == "cpu":
-        return  # pins name cores: checked on the node against the cores it may use
-    node_gpus = data.get("node", {}).get("gpus", DEFAULT_NODE_GPUS)
-    for name, model in data["models"].items():
-        for i, gpus in enumerate(model["gpus"]):
-            beyond = sorted(g for g in gpus if g >= node_gpus)
-            if beyond:
-                raise ConfigError(
-                    f"models.{name}.gpus[{i}]",
-                    f"pins GPU {beyond[0]} but the node has {node_gpus} GPUs "
-                    f"(ids 0-{node_gpus - 1}; set node.gpus for a bigger node)",
-                )
-
-
-def _check_cell_memory(data: Mapping[str, Any], studies: Mapping[str, Study]) -> None:
-    for name, study in studies.items():
-        for cell in study.cells:
-            w = cell.workload
-            requests = w.num_prompts + w.warmup_requests
-            sizes = (w.input_len, w.output_len, cell.backend != "simulator")
-            needed = cell_memory_bytes(requests, *sizes)
-            if needed <= CELL_MEMORY_CEILING_BYTES:
-                continue
-            fits = CELL_MEMORY_CEILING_BYTES // cell_memory_bytes(1, *sizes)
-            in_study = "num_prompts" in data["studies"][name].get("workload", {})
-            key = f"studies.{name}.workload.num_prompts" if in_study else "defaults.num_prompts"
-            if fits < 1 + w.warmup_requests:
-                key = f"studies.{name}.input_len"
-            raise ConfigError(
-                key,
-                f"{requests:,} requests of input {w.input_len} and output {w.output_len} tokens "
-                f"need about {_gib(needed)} in one cell, above the ceiling of "
-                f"{_gib(CELL_MEMORY_CEILING_BYTES)} (at most {fits:,} requests of these lengths)",
-            )
-
-
-def check_input(data: Mapping[str, Any], studies: Mapping[str, Study]) -> None:
-    """The checks the schema cannot express that need no engine model (those are in
-    ``servematrix.preflight``), in the order a reader would fix them."""
-    _check_lists(data)
-    _check_gpu_pins(data)
-    _check_cell_memory(data, studies)

@@ -17,12 +17,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servematrix.recipes import RECIPE_NAMES, recipe_version
 from servematrix.spec.slo import Slo
 from servematrix.spec.topology import Topology, parse
 from servematrix.workload.definition import TRACE_DEFAULTS, Workload
 from servematrix.workload.sessions import Sessions
 
-RECIPES = ("v0", "v1")
+RECIPES = RECIPE_NAMES
 PREDICTING_BACKEND = "simulator"
 """The backend whose predictions a measured run is compared with
 (`servematrix.reporting.compare`)."""
@@ -89,16 +90,14 @@ def mode_spec(name: str) -> ModeSpec:
     return MODES.get(name) or topology_mode(parse(name))
 
 
-V0_AUTO_CHUNKED_ABOVE = 32768
-"""vLLM 0.6 turns chunked prefill on by itself above this ``max_model_len`` (``EngineArgs``)."""
-
-
 def chunks_prefill(recipe: str, chunked_prefill: bool | None, max_model_len: int) -> bool:
     """Whether the recipe's vLLM chunks prefills: the mode's choice, else its default (off in
     vLLM 0.6 unless ``max_model_len`` exceeds 32768, on in V1)."""
     if chunked_prefill is not None:
         return chunked_prefill
-    return recipe == "v1" or max_model_len > V0_AUTO_CHUNKED_ABOVE
+    version = recipe_version(recipe)
+    above = version.auto_chunked_above_tokens
+    return version.chunked_prefill_by_default or (above is not None and max_model_len > above)
 
 
 @dataclass(frozen=True)
