@@ -854,7 +854,7 @@ def test_a_confirming_study_names_the_simulator_candidates_and_their_ranks() -> 
                 "m",
                 1024,
                 17,
-                (Candidate("2x(TP4)", 1, 1.24), Candidate("3x(TP2)", 2, 1.19)),
+                (Candidate("2x(TP4)", 1, 1.24), Candidate("3x(TP2)", 2, 1.19, True)),
                 Candidate("2x(TP4)", 1, 1.24),
                 Candidate("2P(TP2)+1D(TP2)", 3, 1.083),
             ),
@@ -866,7 +866,8 @@ def test_a_confirming_study_names_the_simulator_candidates_and_their_ranks() -> 
     assert answer[1].endswith("4% more than 2x(TP4) (1.2).")
     assert (
         "The measured candidates were the simulator's top 2 of 17 topologies by capacity per "
-        "GPU: 2x(TP4) (simulated rank 1, 1.24 req/s per GPU) and 3x(TP2) (rank 2, 1.19); the "
+        "GPU: 2x(TP4) (simulated rank 1, 1.24 req/s per GPU) and 3x(TP2) (rank 2, at least "
+        "1.19); the "
         "other 15 were not deployed; no split was among them (the simulator's best is "
         "2P(TP2)+1D(TP2), rank 3, 1.08)."
     ) in answer

@@ -281,6 +281,7 @@ def test_the_simulator_top_n_are_the_only_cells_confirmed(tmp_path):
             "gpus": [8, 4, 8, 8],
             "capacity_per_gpu": [1.0, 1.2, 1.2, 0.5],
             "capacity_unit": ["req/s"] * 4,
+            "limited": [False, False, True, False],
         }
     )
     table.write_parquet(tmp_path / "twin.parquet")
@@ -292,6 +293,7 @@ def test_the_simulator_top_n_are_the_only_cells_confirmed(tmp_path):
         ("1P(TP2)+1D(TP2)", 1),
         ("4x(TP2)", 2),
     ]
+    assert [c.simulated_lower_bound for c in comparison.picked] == [False, True]
     assert comparison.topologies == 4 and picks.unit == "req/s"
     assert comparison.best_aggregated.topology == "4x(TP2)"
     assert comparison.best_split.simulated_rank == 1

@@ -23,11 +23,14 @@ from servematrix.spec.topology import parse
 
 @dataclass(frozen=True)
 class Candidate:
-    """One picked topology, with its rank and capacity per GPU on the simulator."""
+    """One picked topology, with its rank and capacity per GPU on the simulator;
+    ``simulated_lower_bound`` when that search met the SLO at every load it tried (the
+    capacity is at least this, and its rank may be higher)."""
 
     topology: str
     simulated_rank: int
     simulated_capacity_per_gpu: float
+    simulated_lower_bound: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ def pick(table: pl.DataFrame, top: int) -> Candidates:
     comparisons = []
     for (model, input_len), rows in table.group_by(["model", "input_len"], maintain_order=True):
         ranked = [
-            Candidate(row["topology"], rank, row["capacity_per_gpu"])
+            Candidate(row["topology"], rank, row["capacity_per_gpu"], bool(row["limited"]))
             for rank, row in enumerate(
                 rows.sort(
                     ["capacity_per_gpu", "gpus", "topology"], descending=[True, False, False]

@@ -79,16 +79,16 @@ def candidates_sentences(candidates: Candidates | None) -> list[str]:
 
 def _ranked(candidate: Candidate, unit: str = "") -> str:
     """``4x(TP2) (simulated rank 1, 1.29 req/s per GPU)``, or without the unit after the first
-    of a list: ``2x(TP4) (rank 2, 1.25)``."""
+    of a list: ``2x(TP4) (rank 2, 1.25)``; a lower bound reads ``at least 1.25``."""
+    value = fmt_sig(candidate.simulated_capacity_per_gpu)
+    if candidate.simulated_lower_bound:
+        value = f"at least {value}"
     if unit:
         return (
             f"{candidate.topology} (simulated rank {candidate.simulated_rank}, "
-            f"{fmt_sig(candidate.simulated_capacity_per_gpu)} {unit} per GPU)"
+            f"{value} {unit} per GPU)"
         )
-    return (
-        f"{candidate.topology} (rank {candidate.simulated_rank}, "
-        f"{fmt_sig(candidate.simulated_capacity_per_gpu)})"
-    )
+    return f"{candidate.topology} (rank {candidate.simulated_rank}, {value})"
 
 
 def _candidates_sentence(c: Comparison, unit: str, several: bool) -> str:
