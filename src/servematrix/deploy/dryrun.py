@@ -8,7 +8,8 @@ import shlex
 from pathlib import Path
 
 from servematrix import config
-from servematrix.deploy.recipes import DEPLOYED_BACKENDS, RECIPES, Plan, plan
+from servematrix.deploy.processes import Plan
+from servematrix.deploy.recipes import DEPLOYED_BACKENDS, RECIPES, plan
 from servematrix.matrix import MODES, Cell, Config, ConfigError
 
 

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from servematrix.deploy.gpulock import flock_before
-from servematrix.deploy.recipes import DEFAULT_DEPLOY, RECIPES, Plan
+from servematrix.deploy.processes import Plan
+from servematrix.deploy.recipes import DEFAULT_DEPLOY, RECIPES
 from servematrix.deploy.supervise import (
     DeployError,
     Deployment,
