@@ -42,7 +42,7 @@ from real_vllm_chat import exit_on_sigterm, free_port
 
 from servematrix.backends.cell import run_cell
 from servematrix.capacity import run as capacity_run
-from servematrix.deploy import recipes
+from servematrix.deploy import processes, recipes
 from servematrix.deploy.supervise import Deployment, wait_quiet
 from servematrix.engine.profile import TERMS, read_profile
 from servematrix.results import metrics
@@ -136,7 +136,7 @@ def cells_of(raw: dict) -> list[Cell]:
 
 
 @contextlib.contextmanager
-def served(model: str, mode: str, work: Path) -> Iterator[recipes.Plan]:
+def served(model: str, mode: str, work: Path) -> Iterator[processes.Plan]:
     """The ``vllm`` backend's CPU-node deployment of ``model`` in ``mode``, each instance's
     processes pinned to its core: its plan (``base_url``) while it runs."""
     raw = raw_config("vllm", model, mode, [HeldOut(model, mode, 1.0)], 1.0)
@@ -244,7 +244,7 @@ def describe(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def held_out(model: str, mode: str, rate: float, profile: Path, plan: recipes.Plan) -> list:
+def held_out(model: str, mode: str, rate: float, profile: Path, plan: processes.Plan) -> list:
     """The rows of the held-out cells of ``model`` in ``mode``, served by ``plan``'s
     deployment once nothing earlier is in flight: (cell, its rate, predicted, measured)."""
     cells = [h for h in HELD_OUT if (h.model, h.mode) == (model, mode)]

@@ -4,9 +4,10 @@ Run with a Python that has vLLM installed (never a servematrix dependency), e.g.
 venv:  VLLM_TARGET_DEVICE=cpu PYTHONPATH=src /tmp/vllm-venv/bin/python benchmarks/check_vllm_argv.py
 
 For every model and mode of config/config.yaml, and every topology of the split question in
-config/examples/xpyd.yaml (xPyD prefillers and decoders at their own TP), it builds the `vllm`
-backend's argv, parses it
-with vLLM's `vllm serve` subparser, validates it (`validate_parsed_serve_args`), turns it into
+config/examples/xpyd.yaml (xPyD prefillers and decoders at their own TP; then the same
+topologies spread over two nodes, each instance binding its node's address), it builds the
+`vllm` backend's argv, parses it with vLLM's `vllm serve` subparser, validates it
+(`validate_parsed_serve_args`), turns it into
 engine arguments (`AsyncEngineArgs.from_cli_args`, which builds the pydantic KVTransferConfig,
 so an unknown key in --kv-transfer-config fails here) and prints a table. The engine config
 itself is not built: that needs the model's files. The v0 recipe targets vLLM 0.6, which this
@@ -68,6 +69,8 @@ def main() -> int:
     print(f"{'model':<32} {'mode':<16} {'process':<9} result")
     failures = sum(check_cell(parser, cell) for cell in named_mode_cells())
     failures += sum(check_cell(parser, cell) for cell in topology_cells())
+    print(f"the same topologies over two nodes (deploy.nodes: {list(TWO_NODES)})")
+    failures += sum(check_cell(parser, cell) for cell in topology_cells(TWO_NODES))
     print(f"{failures} failure(s)")
     return 1 if failures else 0
 
@@ -83,9 +86,14 @@ def named_mode_cells():
             yield dataclasses.replace(cell, recipe="v1", deploy=deploy)
 
 
-def topology_cells():
+TWO_NODES = ("10.0.0.1", "10.0.0.2")
+
+
+def topology_cells(nodes: tuple[str, ...] = ()):
     cfg = config.load_file(Path("config/examples/xpyd.yaml"))
     deploy = config.deploy_settings({**cfg.raw, "backend": "vllm"})
+    if nodes:
+        deploy["nodes"] = list(nodes)
     for study in cfg.studies.values():
         for cell in study.cells:
             yield dataclasses.replace(cell, backend="vllm", deploy=deploy)

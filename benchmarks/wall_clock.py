@@ -25,7 +25,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from servematrix.deploy.recipes import Health, Plan, Process
+from servematrix.deploy.processes import Health, Plan, Process
 from servematrix.deploy.supervise import Deployment
 from servematrix.emulator.cli import SHUTDOWN_GRACE_S
 

@@ -13,6 +13,7 @@ from servematrix.deploy.order import (
     deployment_priority,
     pinned_gpu_count,
 )
+from servematrix.deploy.nodes import slurm_node_count
 from servematrix.spec.matrix import Cell
 from servematrix.workflow import stop_deployments, stop_jobs_on_interrupt
 
@@ -24,11 +25,16 @@ def cell_conda_env(wildcards):
 
 def cell_group(wildcards):
     """On a cluster every cell of one deployment goes into one job (one group, all of its
-    components merged), so the deployment starts once per job and warm reuse holds there too.
+    components merged), so the deployment starts once per job and warm reuse holds there too
+    (not when it spreads over several nodes of the job: see below).
     Locally cells stay separate jobs: priorities and the deployment registry keep them
     together. (Evaluated while the DAG is built, when the executor is known.)"""
     if workflow.local_exec or wildcards.backend != RUN_CONFIG.backend:
         return None  # locally, or a measured run's simulator twin (rules/compare.smk)
+    if cell_nodes(wildcards) is not None:
+        # Spread over N nodes, a cell is a job of its own: Snakemake sums the resources of a
+        # group's parallel jobs, so a group job would ask for N nodes per cell.
+        return None
     settings = workflow.group_settings
     names = deployment_groups(RUN_CONFIG)
     merged = dict(settings.group_components or {})
@@ -44,6 +50,12 @@ def cell_gpus(wildcards):
     if not backend_of(wildcards.backend).REAL_HARDWARE:
         return 0
     return pinned_gpu_count(RUN_CONFIG, CELL_PATTERN.format(**dict(wildcards.items())))
+
+
+def cell_nodes(wildcards):
+    """Nodes (and tasks, one per node) to request from the scheduler (SLURM --nodes,
+    --ntasks): ``deploy.nodes`` when it is a count of the job's nodes (None: the default)."""
+    return slurm_node_count(RUN_CONFIG.raw.get("deploy", {}))
 
 
 def cell_priority(wildcards):
@@ -87,6 +99,8 @@ rule cell:
     group: cell_group
     resources:
         gpu=cell_gpus,
+        nodes=cell_nodes,
+        tasks=cell_nodes,
     conda:
         cell_conda_env
     script:

@@ -1,4 +1,7 @@
-"""A real one-node SLURM cluster for a test (shared/reference/slurm-local.md), in a scratch dir.
+"""A real SLURM cluster for a test (shared/reference/slurm-local.md), in a scratch dir: one node,
+or two nodes on this one machine, each with a slurmd of its own (``slurmd -N``; Debian's
+22.05 build runs several) and a loopback address of its own (:data:`NODE_ADDRESSES`), so a
+job's steps run "on" either node and its processes reach each other on the nodes' addresses.
 
 Needs root and Debian's ``slurm-wlm`` and ``munge`` packages. Everything it starts (munged if
 it was not running, slurmctld, slurmd) is stopped by pid at the end; its config, state and
@@ -18,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue")
+NODE_ADDRESSES = {"n1": "127.0.0.2", "n2": "127.0.0.3"}
+"""The two-node cluster's node names and NodeAddr (all of 127.0.0.0/8 routes to lo)."""
 
 
 def unavailable() -> str | None:
@@ -76,12 +81,32 @@ def _pid(path: Path, timeout_s: float = 20) -> int:
     raise RuntimeError(f"no pid file {path}")
 
 
+def _nodes_conf(host: str, two_nodes: bool) -> str:
+    """The node and partition lines, and where each slurmd keeps its state (``%n``: per node)."""
+    if not two_nodes:
+        return f"""NodeName={host} CPUs={os.cpu_count()} RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+"""
+    lines = [
+        f"NodeName={name} NodeAddr={address} NodeHostname={host} Port={_free_port()} "
+        f"CPUs={os.cpu_count()} RealMemory=4000 State=UNKNOWN"
+        for name, address in NODE_ADDRESSES.items()
+    ]
+    names = ",".join(NODE_ADDRESSES)
+    return "\n".join([*lines, f"PartitionName=debug Nodes={names} Default=YES State=UP", ""])
+
+
 @contextlib.contextmanager
-def cluster(root: Path) -> Iterator[dict[str, str]]:
-    """Start munged (if needed), slurmctld and slurmd; yield the environment for clients."""
+def cluster(root: Path, two_nodes: bool = False) -> Iterator[dict[str, str]]:
+    """Start munged (if needed), slurmctld and slurmd (one per node); yield the environment
+    for clients."""
     root.mkdir(parents=True, exist_ok=True)
-    for sub in ("spool/ctld", "spool/d", "log"):
+    for sub in ("spool/ctld", "log"):
         (root / sub).mkdir(parents=True, exist_ok=True)
+    slurmds = list(NODE_ADDRESSES) if two_nodes else [None]
+    for name in slurmds:
+        (root / "spool" / f"d-{name or 'host'}").mkdir(parents=True, exist_ok=True)
+    per_node = "%n" if two_nodes else "host"
     host = socket.gethostname()
     # The default path: srun inside a job finds no other (SLURM_CONF is not passed on).
     conf = Path("/etc/slurm/slurm.conf")
@@ -102,17 +127,15 @@ SelectTypeParameters=CR_Core
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={root}/spool/ctld
-SlurmdSpoolDir={root}/spool/d
+SlurmdSpoolDir={root}/spool/d-{per_node}
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-{per_node}.pid
 SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
+SlurmdLogFile={root}/log/slurmd-{per_node}.log
 ReturnToService=2
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
-NodeName={host} CPUs={os.cpu_count()} RealMemory=4000 State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
-"""
+{_nodes_conf(host, two_nodes)}"""
     )
     env = {**os.environ, "SLURM_CONF": str(conf)}
     started: list[int] = []
@@ -127,14 +150,17 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
                 time.sleep(0.2)
         subprocess.run(["/usr/sbin/slurmctld", "-f", str(conf)], check=True, env=env)
         started.append(_pid(root / "slurmctld.pid"))
-        subprocess.run(["/usr/sbin/slurmd", "-f", str(conf)], check=True, env=env)
-        started.append(_pid(root / "slurmd.pid"))
+        for name in slurmds:
+            named = ["-N", name] if name else []
+            subprocess.run(["/usr/sbin/slurmd", "-f", str(conf), *named], check=True, env=env)
+            started.append(_pid(root / f"slurmd-{name or 'host'}.pid"))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             out = subprocess.run(
-                ["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, env=env
+                ["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, env=env
             )
-            if out.stdout.strip() in ("idle", "mix", "alloc"):
+            states = out.stdout.split()
+            if len(states) == len(slurmds) and set(states) <= {"idle", "mix", "alloc"}:
                 break
             time.sleep(0.5)
         else:

@@ -103,6 +103,11 @@ ROWS: list[tuple[str, Callable[[dict], None], str]] = [
         "as org/model",
     ),
     (
+        "deploy-nodes-neither-count-nor-addresses",
+        _set(("deploy", "nodes"), "two"),
+        "config error at deploy.nodes: 'two' is not valid under any of the given schemas",
+    ),
+    (
         "integer-float-tp",
         _set(("models", MODEL, "tensor_parallel"), 4.0),
         f"config error at models.{MODEL}.tensor_parallel: 4.0 is not of type 'integer'",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from servematrix.deploy import gpulock, recipes
-from servematrix.deploy.recipes import Health, Plan, Process
+from servematrix.deploy import gpulock, mooncake, nodes
+from servematrix.deploy.processes import Health, Plan, Process
 from servematrix.deploy.supervise import (
     DeployError,
     Deployment,
@@ -156,7 +156,7 @@ def test_stop_kills_a_process_that_ignores_sigterm_and_its_children(tmp_path):
 
 def test_real_etcd_starts_answers_and_its_death_is_noticed(tmp_path):
     port = free_port()
-    etcd = recipes._etcd("127.0.0.1", port)
+    etcd = mooncake.etcd(nodes.place({"host": "127.0.0.1"}, None), port)
     peer = etcd.extra_ports[0]
     if port_problem("127.0.0.1", peer):
         pytest.skip(f"etcd peer port {peer} is taken")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from servematrix.deploy import warm
-from servematrix.deploy.recipes import Plan, Process
+from servematrix.deploy.processes import Plan, Process
 from servematrix.deploy.supervise import DeployError, port_problem
 from servematrix.engine.hardware import gpu_spec
 from tests.test_deploy_supervise import _server, free_port

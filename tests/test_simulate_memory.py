@@ -11,7 +11,8 @@ import pytest
 from servematrix.backends import simulator
 from servematrix.backends.emulator import modelled_layout
 from servematrix.deploy.memory import sampled
-from servematrix.deploy.recipes import Health, Plan, Process, plan
+from servematrix.deploy.processes import Health, Plan, Process
+from servematrix.deploy.recipes import plan
 from servematrix.emulator import cli as emulator_cli
 from servematrix.engine.hardware import gpu_spec
 from servematrix.engine.kvcache import BlockPool

@@ -7,7 +7,8 @@ import dataclasses
 import shlex
 from pathlib import Path
 
-from servematrix.deploy.recipes import DEPLOYED_BACKENDS, RECIPES, Plan, plan
+from servematrix.deploy.processes import Plan
+from servematrix.deploy.recipes import DEPLOYED_BACKENDS, RECIPES, plan
 from servematrix.spec import config
 from servematrix.spec.matrix import MODES, Cell, Config, ConfigError
 

@@ -12,7 +12,7 @@ from servematrix.spec.matrix import Cell, Config
 from servematrix.spec.trace import RequestRecord
 
 if TYPE_CHECKING:
-    from servematrix.deploy.recipes import Plan
+    from servematrix.deploy.processes import Plan
 
 NAME = "emulator"
 MEASURED = True

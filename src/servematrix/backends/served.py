@@ -18,7 +18,7 @@ from servematrix.spec.matrix import Cell
 from servematrix.spec.trace import RequestRecord
 
 if TYPE_CHECKING:
-    from servematrix.deploy.recipes import Plan
+    from servematrix.deploy.processes import Plan
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,12 @@ def failing_as_cell_error(run: Callable[[Cell], BackendRun]) -> Callable[[Cell],
     @functools.wraps(run)
     def wrapped(cell: Cell) -> BackendRun:
         from servematrix.client.loadgen import LoadgenError
+        from servematrix.deploy.nodes import NodeError
         from servematrix.deploy.supervise import DeployError
 
         try:
             return run(cell)
-        except (DeployError, LoadgenError) as error:
+        except (DeployError, LoadgenError, NodeError) as error:
             raise CellError(str(error)) from error
 
     return wrapped
@@ -120,14 +121,15 @@ def run_deployed(cell: Cell, deployed: Deployed) -> BackendRun:
 
     The deployment is stopped instead when the cell is interrupted (Ctrl-C, SIGTERM) or fails
     in any way other than failed requests, so nothing half-measured keeps running."""
-    from servematrix.deploy import gpulock, memory, recipes, warm
+    from servematrix.deploy import gpulock, memory, nodes, recipes, warm
     from servematrix.deploy.supervise import DeployError
     from servematrix.engine.hardware import DEFAULT_GPU
 
     _stopped_by.clear()
     previous = {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS}
     try:
-        plan = recipes.plan(cell)
+        # On a SLURM allocation, the nodes this job was given (the fingerprint stays).
+        plan = nodes.on_allocation(recipes.plan(cell), cell.deploy)
         settings, state_dir, logs = warm.settings_for(cell, deployed.real_hardware)
         timeout_s = settings.lease_timeout_s
         kind = recipes.node_kind(cell)

@@ -9,7 +9,7 @@ import urllib.parse
 import urllib.request
 
 from servematrix.deploy import memory
-from servematrix.deploy.recipes import Plan
+from servematrix.deploy.processes import Plan
 from servematrix.deploy.supervise import DeployError
 
 

@@ -6,13 +6,17 @@ disaggregated). A topology lays out every instance of its roles in order: aggreg
 ``instance{k}`` on the prefill port + k; prefill instances ``prefill{k}`` (KV producers) on the
 prefill port + k, each with its own Mooncake bootstrap ports (one per TP rank, so prefillers
 never share one); decode instances ``decode{k}`` (KV consumers) on the decode port + k.
+With ``deploy.nodes``, instance i (in that order) runs on node i mod N
+(:mod:`servematrix.deploy.nodes`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from servematrix.deploy.nodes import instance_node
 from servematrix.spec.matrix import Cell
 from servematrix.spec.topology import AGGREGATED, DECODE, PREFILL
 
@@ -32,6 +36,8 @@ class Slot:
     tp: int
     kv_role: str | None
     bootstrap: int
+    node: int | None = None
+    """Index of its node in ``deploy.nodes`` (None: one machine)."""
 
 
 def decoding_instances(cell: Cell) -> set[str]:
@@ -41,7 +47,14 @@ def decoding_instances(cell: Cell) -> set[str]:
 
 
 def slots(cell: Cell, ports: Mapping[str, int]) -> list[Slot]:
-    """Every instance of the cell's deployment, prefill before decode."""
+    """Every instance of the cell's deployment, prefill before decode, each on its node."""
+    return [
+        dataclasses.replace(slot, node=instance_node(cell.deploy, index))
+        for index, slot in enumerate(_slots(cell, ports))
+    ]
+
+
+def _slots(cell: Cell, ports: Mapping[str, int]) -> list[Slot]:
     topology, pins = cell.topology, cell.instance_gpus
     roles = topology.instance_roles
     if topology.instances == 1:

@@ -57,7 +57,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from servematrix.deploy.recipes import Plan
+from servematrix.deploy.processes import Plan
 
 if TYPE_CHECKING:
     from servematrix.engine.kvcache import KvMemoryPlan

@@ -7,8 +7,9 @@ vLLM 0.6 studies; v1: current vLLM with the in-tree MooncakeConnector); each ver
 its ``commands`` in ``servematrix.recipes``. What servematrix adds
 to those lines always comes *after* them, so the published line stays a prefix of ours:
 
-* ``--host H`` (services bind 127.0.0.1 unless ``deploy.host`` says otherwise; vLLM's own
-  default is every interface);
+* ``--host H`` (services bind 127.0.0.1 unless ``deploy.host`` says otherwise, or their
+  node's address with ``deploy.nodes``: :mod:`servematrix.deploy.nodes`; vLLM's own default is
+  every interface);
 * ``--max-num-batched-tokens N`` / ``--enforce-eager`` when the config sets them;
 * for backend ``emulator`` the emulator-only flags (:data:`EMULATOR_FLAGS`), which describe
   the simulated hardware and model that vLLM would learn from the GPU and the checkpoint.
@@ -25,18 +26,20 @@ them for display with :func:`shlex.join`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servematrix.deploy import nodes
 from servematrix.deploy.layout import Slot, slots
+from servematrix.deploy.mooncake import MOONCAKE_DECODE_OFFSET, etcd, mooncake_json, mooncake_ports
+from servematrix.deploy.nodes import Place
+from servematrix.deploy.processes import Health, Plan, Process, fingerprint
 from servematrix.engine.hardware import DEFAULT_GPU
 from servematrix.recipes import RECIPE_VERSIONS
-from servematrix.recipes.base import DEPLOYMENT_DIR, Recipe
+from servematrix.recipes.base import Recipe
 from servematrix.spec.matrix import Cell
 
 EMULATED_BACKEND = "emulator"  # vLLM's deployment with the emulator in vLLM's place
@@ -82,128 +85,6 @@ DEFAULT_DEPLOY = {
     "state_dir": None,
     "base_url": None,
 }
-MOONCAKE_DECODE_OFFSET = 100
-"""Decode transfer-engine base port = prefill's + 100 (what vLLM 0.6 does for equal URLs)."""
-
-
-@dataclass(frozen=True)
-class Health:
-    """How to tell a process is ready: GET ``url`` answers 200 (etcd: its own /health)."""
-
-    url: str
-
-
-@dataclass(frozen=True)
-class Process:
-    name: str
-    argv: tuple[str, ...]
-    env: Mapping[str, str]
-    """Variables set on top of the caller's environment, in display order."""
-    port: int
-    health: Health
-    gpus: tuple[int, ...] = ()
-    extra_ports: tuple[int, ...] = ()
-    """Other ports it binds (bootstrap server, transfer engine): checked free before start."""
-
-    @property
-    def ports(self) -> tuple[int, ...]:
-        return (self.port, *self.extra_ports)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "argv": list(self.argv),
-            "env": dict(self.env),
-            "port": self.port,
-            "health": self.health.url,
-            "gpus": list(self.gpus),
-            "extra_ports": list(self.extra_ports),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Process:
-        return cls(
-            name=data["name"],
-            argv=tuple(data["argv"]),
-            env=dict(data["env"]),
-            port=data["port"],
-            health=Health(data["health"]),
-            gpus=tuple(data["gpus"]),
-            extra_ports=tuple(data["extra_ports"]),
-        )
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A deployment: its processes in start order, and where a client sends requests."""
-
-    backend: str
-    recipe: str
-    model: str
-    mode: str
-    processes: tuple[Process, ...]
-    base_url: str
-    fingerprint: str
-    files: Mapping[str, str] = field(default_factory=dict)
-    """Files written into the deployment directory before start (name -> content)."""
-
-    @property
-    def gpus(self) -> tuple[int, ...]:
-        return tuple(sorted({g for p in self.processes for g in p.gpus}))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "recipe": self.recipe,
-            "model": self.model,
-            "mode": self.mode,
-            "processes": [p.to_dict() for p in self.processes],
-            "base_url": self.base_url,
-            "fingerprint": self.fingerprint,
-            "files": dict(self.files),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        return cls(
-            backend=data["backend"],
-            recipe=data["recipe"],
-            model=data["model"],
-            mode=data["mode"],
-            processes=tuple(Process.from_dict(p) for p in data["processes"]),
-            base_url=data["base_url"],
-            fingerprint=data["fingerprint"],
-            files=dict(data["files"]),
-        )
-
-    def resolve(self, deployment_dir: str) -> Plan:
-        """The plan with its directory placeholder replaced (argv, env and file contents)."""
-
-        def fill(text: str) -> str:
-            return text.replace(DEPLOYMENT_DIR, deployment_dir)
-
-        processes = tuple(
-            Process(
-                p.name,
-                tuple(fill(a) for a in p.argv),
-                {k: fill(v) for k, v in p.env.items()},
-                p.port,
-                p.health,
-                p.gpus,
-                p.extra_ports,
-            )
-            for p in self.processes
-        )
-        return Plan(
-            self.backend,
-            self.recipe,
-            self.model,
-            self.mode,
-            processes,
-            self.base_url,
-            self.fingerprint,
-            {k: fill(v) for k, v in self.files.items()},
-        )
 
 
 def _conditions(cell: Cell, executable: tuple[str, ...]) -> dict[str, bool]:
@@ -356,57 +237,6 @@ def _settings(cell: Cell) -> tuple[dict[str, int], dict[str, Any]]:
     return ports, deploy
 
 
-def _url(host: str, port: int) -> str:
-    # A server bound to every interface is reached on loopback.
-    reach = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return f"http://{reach}:{port}"
-
-
-def mooncake_json(cell: Cell, ports: Mapping[str, int], deploy: Mapping[str, Any]) -> str:
-    """The v0 connector's config file (spec §4): transfer-engine URLs, etcd, protocol, NIC."""
-    kv_host = deploy["kv_host"]
-    protocol = cell.mode.kv_protocol
-    document = {
-        "prefill_url": f"{kv_host}:{ports['mooncake']}",
-        "decode_url": f"{kv_host}:{ports['mooncake'] + MOONCAKE_DECODE_OFFSET}",
-        "metadata_server": f"etcd://{kv_host}:{ports['etcd']}",
-        "protocol": protocol,
-        "device_name": deploy["rdma_device"] if protocol == "rdma" else "",
-    }
-    return json.dumps(document, indent=2) + "\n"
-
-
-def _mooncake_ports(base: int, tp: int) -> tuple[int, ...]:
-    # vLLM 0.6 MooncakePipe: transfer engine on base + rank, ZMQ on base + 8 + 2*rank + {1, 2}.
-    engine = [base + rank for rank in range(tp)]
-    zmq = [base + 8 + 2 * rank + k for rank in range(tp) for k in (1, 2)]
-    return tuple(engine + zmq)
-
-
-def _etcd(host: str, port: int) -> Process:
-    peer = port + 1
-    argv = (
-        "etcd",
-        "--listen-client-urls",
-        f"http://{host}:{port}",
-        "--advertise-client-urls",
-        f"http://localhost:{port}" if host in ("0.0.0.0", "127.0.0.1") else f"http://{host}:{port}",
-        # A private data directory and peer port: a default etcd writes ./default.etcd and
-        # listens on 2380, which would collide with any other etcd on the host.
-        "--name",
-        "servematrix",
-        "--data-dir",
-        f"{DEPLOYMENT_DIR}/etcd-data",
-        "--listen-peer-urls",
-        f"http://127.0.0.1:{peer}",
-        "--initial-advertise-peer-urls",
-        f"http://127.0.0.1:{peer}",
-        "--initial-cluster",
-        f"servematrix=http://127.0.0.1:{peer}",
-    )
-    return Process("etcd", argv, {}, port, Health(_url(host, port) + "/health"), (), (peer,))
-
-
 def _server(cell: Cell, emulated: bool, slot: Slot) -> Process:
     """One vLLM (or emulator) instance: its argv, environment, pins and extra ports."""
     recipe = RECIPES[cell.recipe]
@@ -423,7 +253,7 @@ def _server(cell: Cell, emulated: bool, slot: Slot) -> Process:
                 extra = tuple(slot.bootstrap + rank for rank in range(tp))
         if recipe.etcd:
             base = ports["mooncake"] + (0 if role == "kv_producer" else MOONCAKE_DECODE_OFFSET)
-            extra += _mooncake_ports(base, tp)
+            extra += mooncake_ports(base, tp)
     if emulated and role is not None and cell.engine.get("kv_link"):
         # engine.kv_link overrides of the modelled KV link (emulator only; vLLM has a wire)
         env[EMULATOR_KV_LINK_ENV] = json.dumps(dict(cell.engine["kv_link"]), sort_keys=True)
@@ -435,33 +265,51 @@ def _server(cell: Cell, emulated: bool, slot: Slot) -> Process:
         env["VLLM_CPU_KVCACHE_SPACE"] = _number(float(cell.deploy["node"]["kvcache_space_gib"]))
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in pins)
-    host = deploy["host"]
-    argv = _server_argv(recipe, cell, emulated, slot, host)
-    health = Health(_url(host, port) + "/health")
-    return Process(slot.name, tuple(argv), env, port, health, pins, extra)
+    where = nodes.place(deploy, slot.node)
+    if where.node is not None:
+        # The address vLLM advertises to its peers (the Mooncake side channel), not its guess.
+        env["VLLM_HOST_IP"] = where.reach
+    argv = _server_argv(recipe, cell, emulated, slot, where.bind)
+    health = Health(where.url(port) + "/health")
+    bind = None if where.node is None else where.bind
+    return Process(slot.name, tuple(argv), env, port, health, pins, extra, bind, where.node)
 
 
-def _proxy(cell: Cell, instances: list[Slot], ports: Mapping[str, int], host: str) -> Process:
+def _proxy(cell: Cell, instances: list[Slot], ports: Mapping[str, int]) -> Process:
     """The proxy in front of the instances: round-robin over them all, or the recipe's
-    disaggregated one over the lists of prefillers and decoders."""
+    disaggregated one over the lists of prefillers and decoders, each named by its node."""
+    deploy = _settings(cell)[1]
+
+    def url(slot: Slot) -> str:
+        return nodes.place(deploy, slot.node).url(slot.port)
+
     argv = [*PROXY_EXECUTABLE]
     if not cell.mode.disaggregated:
         argv.append("round-robin")
         for slot in instances:
-            argv += ["--upstream", _url(host, slot.port)]
+            argv += ["--upstream", url(slot)]
     else:
         kind = RECIPES[cell.recipe].disagg_proxy
         argv.append(kind)
         for slot in instances:
             if slot.kv_role == "kv_producer":
-                argv += ["--prefill", _url(host, slot.port)]
+                argv += ["--prefill", url(slot)]
                 argv += [str(slot.bootstrap)] if kind == "disagg-v1" else []
         for slot in instances:
             if slot.kv_role == "kv_consumer":
-                argv += ["--decode", _url(host, slot.port)]
-    argv += ["--port", str(ports["proxy"]), "--host", host]
-    health = Health(_url(host, ports["proxy"]) + "/health")
-    return Process("proxy", tuple(argv), {}, ports["proxy"], health)
+                argv += ["--decode", url(slot)]
+    where = nodes.entry(deploy)
+    argv += ["--port", str(ports["proxy"]), "--host", where.bind]
+    health = Health(where.url(ports["proxy"]) + "/health")
+    bind = None if where.node is None else where.bind
+    return Process("proxy", tuple(argv), {}, ports["proxy"], health, (), (), bind, where.node)
+
+
+def _mooncake_places(deploy: Mapping[str, Any], instances: list[Slot]) -> dict[str, Place]:
+    """Where the v0 deployment's prefill, decode and etcd run (named 1P1D modes only)."""
+    kinds = {"kv_producer": "prefill", "kv_consumer": "decode"}
+    places = {kinds[s.kv_role]: nodes.place(deploy, s.node) for s in instances if s.kv_role}
+    return {**places, "etcd": nodes.entry(deploy)}
 
 
 def plan(cell: Cell, backend: str | None = None) -> Plan:
@@ -472,7 +320,6 @@ def plan(cell: Cell, backend: str | None = None) -> Plan:
     emulated = backend == EMULATED_BACKEND
     recipe = RECIPES[cell.recipe]
     ports, deploy = _settings(cell)
-    host = deploy["host"]
     mode = cell.mode
     instances = slots(cell, ports)
     files: dict[str, str] = {}
@@ -482,33 +329,19 @@ def plan(cell: Cell, backend: str | None = None) -> Plan:
         entry = ports["single"]
     else:
         if mode.disaggregated and recipe.etcd:
-            processes.append(_etcd(host, ports["etcd"]))
-            files["mooncake.json"] = mooncake_json(cell, ports, deploy)
+            places = _mooncake_places(deploy, instances)
+            processes.append(etcd(places["etcd"], ports["etcd"]))
+            files["mooncake.json"] = mooncake_json(mode.kv_protocol, ports, deploy, places)
         processes += [_server(cell, emulated, slot) for slot in instances]
-        processes.append(_proxy(cell, instances, ports, host))
+        processes.append(_proxy(cell, instances, ports))
         entry = ports["proxy"]
-    fingerprint = _fingerprint(backend, recipe.name, processes, files)
     return Plan(
         backend=backend,
         recipe=recipe.name,
         model=cell.model.name,
         mode=mode.name,
         processes=tuple(processes),
-        base_url=_url(host, entry) + "/v1",
-        fingerprint=fingerprint,
+        base_url=nodes.entry(deploy).url(entry) + "/v1",
+        fingerprint=fingerprint(backend, recipe.name, processes, files),
         files=files,
     )
-
-
-def _fingerprint(
-    backend: str, recipe: str, processes: list[Process], files: Mapping[str, str]
-) -> str:
-    """Same fingerprint = same recipe and command lines: a running deployment may be reused."""
-    document = {
-        "backend": backend,
-        "recipe": recipe,
-        "processes": [p.to_dict() for p in processes],
-        "files": dict(files),
-    }
-    digest = hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
-    return digest[:16]

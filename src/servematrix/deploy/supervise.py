@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from servematrix.deploy.recipes import Plan, Process
+from servematrix.deploy.nodes import launcher
+from servematrix.deploy.processes import Plan, Process
 
 LOG_TAIL_LINES = 25
 POLL_S = 0.25
@@ -111,8 +112,10 @@ def port_problem(host: str, port: int) -> str | None:
 
 
 def check_ports(processes: Iterable[Process], host: str) -> None:
-    bind_host = "0.0.0.0" if host in ("0.0.0.0", "::") else host
+    """Each port free on the address its process binds (its node's, or ``host``)."""
     for process in processes:
+        bind = process.host or host
+        bind_host = "0.0.0.0" if bind in ("0.0.0.0", "::") else bind
         for port in process.ports:
             problem = port_problem(bind_host, port)
             if problem:
@@ -257,7 +260,9 @@ class Deployment:
         On any failure everything already started is stopped before DeployError is raised.
         """
         began = time.monotonic()
-        check_ports(self.plan.processes, self.host)
+        # A process started on another node (srun) binds there: its ports are not ours to probe.
+        here = [p for p in self.plan.processes if not launcher(self.plan, p)]
+        check_ports(here, self.host)
         self.deployment_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for name, content in self.plan.files.items():
@@ -275,7 +280,7 @@ class Deployment:
         return time.monotonic() - began
 
     def _spawn(self, process: Process) -> Running:
-        argv = launch_argv(process.argv)
+        argv = launcher(self.plan, process) + launch_argv(process.argv)
         log_path = self.log_dir / f"{process.name}.log"
         with open(log_path, "ab") as log:
             start = log.tell()

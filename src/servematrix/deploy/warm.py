@@ -39,7 +39,8 @@ from typing import Any
 from servematrix.common.signals import ignore_further
 from servematrix.common.terminal import TERMINAL, WAIT_REPORT_S
 from servematrix.deploy.gpulock import flock_before
-from servematrix.deploy.recipes import DEFAULT_DEPLOY, RECIPES, Plan
+from servematrix.deploy.processes import Plan
+from servematrix.deploy.recipes import DEFAULT_DEPLOY, RECIPES
 from servematrix.deploy.supervise import (
     DeployError,
     Deployment,

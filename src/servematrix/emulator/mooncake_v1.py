@@ -4,6 +4,7 @@ its bootstrap server, side channel and pull)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,7 +59,10 @@ class MooncakeV1(KvConnector):
             "dp_rank": 0,
             "tp_rank": 0,
             "pp_rank": 0,
-            "addr": f"tcp://{reach(self.host)}:{self.bootstrap_port}",
+            # vLLM's worker advertises get_ip(): VLLM_HOST_IP when set (a multi-node
+            # deployment sets it to the node's address), so a decoder elsewhere can reach it.
+            "addr": f"tcp://{os.environ.get('VLLM_HOST_IP') or reach(self.host)}:"
+            f"{self.bootstrap_port}",
         }
         assert self.session is not None
         async with self.session.post(me + "/register", json=registration) as response:
