@@ -153,8 +153,11 @@ def test_v1_stream_non_stream_errors_and_metrics():
         assert usage_chunk["system_fingerprint"].startswith("vllm-0.33.0-")
         # Without stream_options: no usage anywhere, the fingerprint on the last chunk.
         plain = [json.loads(p) for p in events(post(url, stream_body([1, 2], 2))[1])[:-1]]
-        assert len(plain) == 2 and all("usage" not in c for c in plain)
-        assert "system_fingerprint" in plain[-1] and "system_fingerprint" not in plain[0]
+        # Tokens due together go out in one chunk, as V1's output handler sends them: on a
+        # busy machine both tokens may be due by the time the stream wakes.
+        assert 1 <= len(plain) <= 2 and all("usage" not in c for c in plain)
+        assert "system_fingerprint" in plain[-1]
+        assert all("system_fingerprint" not in c for c in plain[:-1])
         # kv_transfer_params come back on the last chunk.
         params = {"do_remote_decode": True, "transfer_id": "xfer-1"}
         last = json.loads(
