@@ -6,7 +6,9 @@ and shapes through the workflow's cell code, and reads each vLLM process's utime
 (``/proc/<pid>/stat``) around every stream, and the API server's own
 ``process_cpu_seconds_total`` from ``/metrics`` (what ``servematrix calibrate`` reads). It
 prints, per stream, each process's CPU share of the core and CPU milliseconds per request,
-then the API server's CPU fitted as ``a × requests + b × output tokens`` over the streams.
+then the API server's CPU fitted as ``a × requests + b × output tokens + c × engine steps``
+over the streams (``vllm:iteration_tokens_total`` counts the steps), to compare with what
+``servematrix calibrate`` fits over its probes.
 
 Usage (from the repository root, in a private network namespace; about 3 minutes)::
 
@@ -22,7 +24,16 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-from calibration_cpu import FIT_MODEL, HeldOut, group_pids, measured, raw_config, run_all, served
+from calibration_cpu import (
+    FIT_MODEL,
+    VLLM_CORE,
+    HeldOut,
+    group_pids,
+    measured,
+    raw_config,
+    run_all,
+    served,
+)
 
 from servematrix.calibration.probes import API_CPU_SERIES, parse_metrics
 from servematrix.vllmcpu import env
@@ -43,6 +54,16 @@ TICKS_S = os.sysconf("SC_CLK_TCK")
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS_S
+
+
+def core_busy_s(core: int) -> float:
+    """CPU seconds core ``core`` spent on any process (``/proc/stat``: all but idle and
+    iowait), to tell this deployment's share of its core from the rest of the machine's."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith(f"cpu{core} "):
+            ticks = [int(v) for v in line.split()[1:]]
+            return (sum(ticks[:8]) - ticks[3] - ticks[4]) / TICKS_S
+    raise SystemExit(f"no cpu{core} in /proc/stat")
 
 
 def server_counters(url: str) -> tuple[float, float, float]:
@@ -77,9 +98,9 @@ def main() -> None:
     print(
         "rate  in  out    n  wall_s  steps  ms/step "
         + " ".join(f"{pids[p][:16]:>16}" for p in names)
-        + "  API(/metrics)  TTFT/TPOT ms"
+        + "  API(/metrics)  others  TTFT/TPOT ms"
     )
-    for rate, i, o, n, wall, used, api, steps, result in rows:
+    for rate, i, o, n, wall, used, api, steps, result, others in rows:
         cols = " ".join(
             f"{used[p] / wall:6.2f}" + (f"/{used[p] / n * 1e3:5.1f}" if n else " " * 6)
             for p in names
@@ -87,15 +108,19 @@ def main() -> None:
         latency = f"{result.mean_ttft_ms:6.1f}/{result.mean_tpot_ms:5.1f}" if result else ""
         print(
             f"{rate:4.0f} {i:4d} {o:4d} {n:4d} {wall:6.1f} {steps:6.0f} {wall / steps * 1e3:8.2f} "
-            f"{cols}  {api / wall:5.2f}/{api / max(n, 1) * 1e3:5.2f}  {latency}"
+            f"{cols}  {api / wall:5.2f}/{api / max(n, 1) * 1e3:5.2f}  {others / wall:6.2f}  "
+            f"{latency}"
         )
-    print("(per process: CPU share of a core / CPU ms per request)")
-    x = np.array([[n, n * o, wall] for _, _, o, n, wall, *_ in rows], dtype=float)
-    y = np.array([row[6] for row in rows])
-    (per_request, per_token, per_second), *_ = np.linalg.lstsq(x, y, rcond=None)
     print(
-        f"\nAPI server CPU (/metrics) = {per_request * 1e3:.3f} ms per request "
-        f"+ {per_token * 1e3:.4f} ms per output token + {per_second:.3f} s per second"
+        "(per process: CPU share of the core / CPU ms per request; others: the share of the "
+        f"core {VLLM_CORE} other processes of the machine took)"
+    )
+    x = np.array([[n, n * o, steps] for _, _, o, n, _, _, _, steps, *_ in rows], dtype=float)
+    y = np.array([row[6] for row in rows])
+    (per_request, per_token, per_step), *_ = np.linalg.lstsq(x, y, rcond=None)
+    print(
+        f"\nAPI server CPU (/metrics) over the streams = {per_request * 1e3:.3f} ms per request "
+        f"+ {per_token * 1e3:.4f} ms per output token + {per_step * 1e3:.3f} ms per engine step"
     )
 
 
@@ -106,6 +131,7 @@ def stream(url: str, pids: dict[int, str], rate: float, input_len: int, output_l
     n = round(rate * STREAM_S)
     raw["studies"]["c0"]["workload"]["num_prompts"] = n
     before = {p: cpu_s(p) for p in pids}
+    busy = core_busy_s(VLLM_CORE)
     counters, start = server_counters(url), time.monotonic()
     result = None
     if rate:
@@ -115,7 +141,8 @@ def stream(url: str, pids: dict[int, str], rate: float, input_len: int, output_l
     wall = time.monotonic() - start
     api, steps, _ = (b - a for a, b in zip(counters, server_counters(url), strict=True))
     used = {p: cpu_s(p) - before[p] for p in pids}
-    return rate, input_len, output_len, n, wall, used, api, max(steps, 1), result
+    others = core_busy_s(VLLM_CORE) - busy - sum(used.values())
+    return rate, input_len, output_len, n, wall, used, api, max(steps, 1), result, others
 
 
 def vllm_pids(base_url: str) -> list[int]:

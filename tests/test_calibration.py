@@ -200,11 +200,16 @@ def api_rows(rng: np.random.Generator) -> list[ApiCpuObservation]:
     return rows
 
 
-def test_the_api_servers_cpu_is_fitted_through_the_counters_ticks():
+def test_the_api_servers_cpu_is_fitted_through_the_counters_ticks(tmp_path):
     cpu, stderr = fit_api_cpu(api_rows(np.random.default_rng(3)))
     for got, want, err in zip(cpu.vector(), API.vector(), stderr.vector(), strict=True):
         assert abs(got - want) <= max(4 * err, 0.2 * want), (got, want, err)
     assert fit_api_cpu(api_rows(np.random.default_rng(3))[:5]) is None
+    path = profile(tmp_path)
+    write_profile(
+        replace(read_profile(path), api_server_cpu=cpu, api_server_cpu_stderr=stderr), path
+    )
+    assert read_profile(path).api_server_cpu == cpu
 
 
 def test_on_a_shared_core_the_fit_takes_the_api_servers_cpu_out_of_the_times():

@@ -105,7 +105,7 @@ def fit_api_cpu(rows: Sequence[ApiCpuObservation]) -> tuple[ApiServerCpu, ApiSer
     if np.linalg.matrix_rank(x) < x.shape[1] or not np.all(np.isfinite(y)) or y.mean() <= 0:
         return None
     coef, stderr, _, _ = _robust(x / y.mean(), y / y.mean())
-    return ApiServerCpu(*coef[1:]), ApiServerCpu(*stderr[1:])
+    return ApiServerCpu(*map(float, coef[1:])), ApiServerCpu(*map(float, stderr[1:]))
 
 
 def _robust(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
