@@ -44,7 +44,7 @@ from servematrix.backends.cell import run_cell
 from servematrix.capacity import run as capacity_run
 from servematrix.deploy import processes, recipes
 from servematrix.deploy.supervise import Deployment, wait_quiet
-from servematrix.engine.profile import TERMS, read_profile
+from servematrix.engine.profile import API_CPU_TERMS, TERMS, read_profile
 from servematrix.results import metrics
 from servematrix.spec import config
 from servematrix.spec.matrix import Cell
@@ -300,6 +300,11 @@ def show_profile(path: Path) -> None:
         TERMS, profile.terms.vector(), profile.stderr.vector(), strict=True
     ):
         print(f"  {name:<22} {value:.4g} ± {error:.2g}")
+    api, api_stderr = profile.api_server_cpu, profile.api_server_cpu_stderr
+    if api and api_stderr:
+        pairs = zip(api.vector(), api_stderr.vector(), strict=True)
+        for name, (value, error) in zip(API_CPU_TERMS, pairs, strict=True):
+            print(f"  api_server_cpu.{name:<19} {value:.4g} ± {error:.2g}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def held_out_medians(url: str, repeats: int) -> dict[tuple[str, str], tuple[floa
     """Median seconds of each held-out probe's quantity over ``repeats`` runs, with its
     features (the model's row)."""
     settings = Settings(url, SERVED, load_architecture("qwen2.5-7b").vocab_size, repeats, 99)
-    _, rows = asyncio.run(probe_server(settings, HELD_OUT, print))
+    _, rows, _ = asyncio.run(probe_server(settings, HELD_OUT, print))
     groups = defaultdict(list)
     for row in rows:
         groups[(row.probe, row.quantity)].append(row)

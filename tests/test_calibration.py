@@ -16,11 +16,13 @@ from servematrix import cli
 from servematrix.backends import backend_of
 from servematrix.backends.cell import run_cell
 from servematrix.calibration import cli as calibration_cli
-from servematrix.calibration.fit import FitError, fit_terms
+from servematrix.calibration.fit import FitError, fit_api_cpu, fit_terms
 from servematrix.calibration.probes import (
+    ApiCpuObservation,
     Observation,
     Probe,
     Stream,
+    api_cpu_observation,
     design,
     observations,
     parse_metrics,
@@ -31,6 +33,7 @@ from servematrix.deploy.recipes import emulator_flags
 from servematrix.engine.hardware import cpu_model
 from servematrix.engine.profile import (
     TERMS,
+    ApiServerCpu,
     ProfileError,
     ProfileTerms,
     Provenance,
@@ -46,6 +49,7 @@ from servematrix.spec.config import load, read_yaml
 from tests.conftest import ROOT, SMALL_CONFIG
 
 TRUE = ProfileTerms(0.012, 6e-5, 4e-5, 9e-8, 0.004)
+API = ApiServerCpu(per_request_s=0.003, per_output_token_s=6e-5, per_step_s=4e-4)
 L40S_PROFILE = ROOT / "config" / "profiles" / "l40s-qwen2.5-7b.yaml"
 
 
@@ -172,6 +176,67 @@ vllm:request_generation_tokens_count{model_name="m",engine="0"} %s
     assert server_observations(Probe("prefill", 512, 1, 8), {}, {}, 0.0) == []
 
 
+def test_the_api_servers_cpu_over_a_probe_run_is_read_from_metrics():
+    """``process_cpu_seconds_total`` (the API server's process) and the engine's step count
+    around a mixed probe: its requests (the newcomer too) and output tokens come from the
+    probe; nothing when the server does not export them."""
+    text = 'process_cpu_seconds_total %s\nvllm:iteration_tokens_total_count{engine="0"} %s\n'
+    before, after = parse_metrics(text % (12.5, 100)), parse_metrics(text % (12.75, 150))
+    row = api_cpu_observation(Probe("mixed", 512, 8, 48, 1024), before, after)
+    assert row is not None and row.cpu_s == pytest.approx(0.25) and row.steps == 50
+    assert (row.requests, row.output_tokens) == (9, 8 * 48 + 2)
+    assert api_cpu_observation(Probe("prefill", 128, 1, 8), {}, after) is None
+
+
+def api_rows(rng: np.random.Generator) -> list[ApiCpuObservation]:
+    """The probe set's runs, their CPU as ``API`` (+ 5 ms per run for the /metrics reads)
+    costs it, read from a counter that ticks in 10 ms."""
+    rows = []
+    for probe in design(4096, 128) * 3:
+        requests = probe.concurrency + (1 if probe.late_prompt_tokens else 0)
+        tokens = probe.concurrency * probe.output_tokens + (2 if probe.late_prompt_tokens else 0)
+        steps = probe.output_tokens * (1.0 + 0.2 * rng.random())
+        cpu = 0.005 + np.dot((requests, tokens, steps), API.vector())
+        ticked = (np.floor(cpu / 0.01) + (rng.random() < cpu / 0.01 % 1)) * 0.01
+        rows.append(ApiCpuObservation(probe.name, float(ticked), requests, tokens, steps))
+    return rows
+
+
+def test_the_api_servers_cpu_is_fitted_through_the_counters_ticks(tmp_path):
+    cpu, stderr = fit_api_cpu(api_rows(np.random.default_rng(3)))
+    for got, want, err in zip(cpu.vector(), API.vector(), stderr.vector(), strict=True):
+        assert abs(got - want) <= max(4 * err, 0.2 * want), (got, want, err)
+    assert fit_api_cpu(api_rows(np.random.default_rng(3))[:5]) is None
+    path = profile(tmp_path)
+    write_profile(
+        replace(read_profile(path), api_server_cpu=cpu, api_server_cpu_stderr=stderr), path
+    )
+    assert read_profile(path).api_server_cpu == cpu
+
+
+def test_on_a_shared_core_the_fit_takes_the_api_servers_cpu_out_of_the_times():
+    """Times of ``TRUE``'s engine plus the API server's CPU on what each time streams: given
+    that CPU, the fit recovers the engine's terms, which the shared-core step adds it back to."""
+    rows = [  # every time here streams a token per sequence in its step
+        replace(o, streamed_tokens=o.sequences)
+        for o in synthetic(np.random.default_rng(5), noise=0.01)
+    ]
+    shared = [
+        replace(
+            o,
+            seconds=o.seconds
+            + API.per_step_s
+            + API.per_output_token_s * o.streamed_tokens
+            + API.per_request_s * o.api_requests,
+        )
+        for o in rows
+    ]
+    fit = fit_terms(shared, API)
+    for name, got, want in zip(TERMS, fit.terms.vector(), TRUE.vector(), strict=True):
+        assert got == pytest.approx(want, rel=0.1), name
+    assert fit_terms(shared).terms.per_step_s > 1.02 * TRUE.per_step_s
+
+
 def profile(tmp_path: Path, **provenance) -> Path:
     fields = dict(
         method="fitted",
@@ -193,6 +258,9 @@ def test_a_profile_is_read_back_as_written(tmp_path):
     assert (
         back.terms == TRUE and back.stderr == TRUE and back.provenance.references == ("a source",)
     )
+    assert back.api_server_cpu is None
+    write_profile(replace(back, api_server_cpu=API, api_server_cpu_stderr=API), path)
+    assert read_profile(path).api_server_cpu == API
 
 
 @pytest.mark.parametrize(
@@ -209,6 +277,10 @@ def test_a_profile_is_read_back_as_written(tmp_path):
         (lambda t: t.replace("  gpu: L40S-48GB\n", ""), r"provenance: missing field\(s\) 'gpu'"),
         (lambda t: t.replace("method: fitted", "method: guessed"), r"provenance\.method"),
         (lambda t: "[1, 2", r"file: not YAML"),
+        (
+            lambda t: t + "api_server_cpu: {per_request_s: 0.001}\n",
+            r"api_server_cpu: must map exactly per_request_s, per_output_token_s, per_step_s",
+        ),
     ],
 )
 def test_a_malformed_profile_is_one_line_naming_the_file_and_field(tmp_path, edit, message):
@@ -285,6 +357,21 @@ def test_a_cpu_hosts_profile_names_its_cpu_and_drives_a_cpu_engine(tmp_path):
     assert setup.host.request_ms == 0
     with pytest.raises(ValueError, match="a CPU host's step times come only from a profile"):
         setup_of("", gpu="cpu", step_time_profile=None)
+
+
+def test_a_cpu_hosts_measured_api_cpu_is_in_its_steps(tmp_path):
+    """With the API server's CPU measured, a step on the shared core carries its outputs (one
+    message, a token per sequence) and the whole CPU of the requests it starts; the rest of
+    the request's latency (``per_request_api_s``) runs beside the engine."""
+    path = profile(tmp_path, gpu="cpu", host=cpu_model())
+    write_profile(replace(read_profile(path), api_server_cpu=API), path)
+    setup = setup_of(path, gpu="cpu")
+    fresh = StepBatch(prefill_chunks=((100, 0), (50, 100)), decode_contexts=(300,))
+    engine = 0.012 + 6e-5 * 150 + 4e-5 * 3 + 9e-8 * 400
+    want = engine + API.per_step_s + API.per_output_token_s * 3 + API.per_request_s
+    assert setup.step_time.step_ms(fresh) == pytest.approx(want * 1e3)
+    assert setup.host.request_ms == pytest.approx(TRUE.per_request_api_s * 1e3)
+    assert "its measured CPU in the steps" in setup.step_time_label
 
 
 def test_the_simulator_runs_an_l40s_study_from_the_hand_written_profile(tmp_path, monkeypatch):

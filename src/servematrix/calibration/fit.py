@@ -8,6 +8,12 @@ each pass from the median absolute deviation. Terms are kept non-negative (a neg
 has no physical meaning): a term the unconstrained fit drives below zero is fixed at zero and
 the others refitted. Standard errors are the weighted fit's covariance at the end; a term
 fixed at zero reports zero.
+
+The API server's CPU over each probe run (`fit_api_cpu`) is fitted the same way but on
+absolute errors (the counter ticks in 10 ms, so a short probe's CPU may read 0). On a CPU
+host, where the API server shares the engine's core, a probe's times include the API
+server's work on what it streams meanwhile; `fit_terms` takes that out first, so the terms
+are the engine's own (``engine.profile.SharedCoreStepTime`` adds it back step by step).
 """
 
 from __future__ import annotations
@@ -17,12 +23,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from servematrix.calibration.probes import Observation
-from servematrix.engine.profile import TERMS, ProfileTerms, Residuals
+from servematrix.calibration.probes import ApiCpuObservation, Observation
+from servematrix.engine.profile import API_CPU_TERMS, TERMS, ApiServerCpu, ProfileTerms, Residuals
 
 HUBER_K = 1.345
 MIN_OBSERVATIONS_PER_TERM = 2
 MAX_ITERATIONS = 50
+ENGINE_SHARE_FLOOR = 0.05
+"""Taking the API server's CPU out of a time leaves at least this share of it (a time the
+API's CPU seems to fill is noise)."""
 SEPARATES = {
     "per_step_s": "probes of any kind",
     "per_prefill_token_s": "prefill probes at two or more prompt lengths",
@@ -44,9 +53,10 @@ class Fit:
     residuals: Residuals
 
 
-def fit_terms(observations: Sequence[Observation]) -> Fit:
-    """The terms that best explain ``observations`` (see the module docstring); FitError when
-    there are too few of them or they do not separate the terms."""
+def fit_terms(observations: Sequence[Observation], api_cpu: ApiServerCpu | None = None) -> Fit:
+    """The terms that best explain ``observations`` (see the module docstring), with
+    ``api_cpu`` (the API server on the engine's core) taken out of each time first; FitError
+    when there are too few of them or they do not separate the terms."""
     needed = MIN_OBSERVATIONS_PER_TERM * len(TERMS)
     if len(observations) < needed:
         raise FitError(
@@ -57,26 +67,11 @@ def fit_terms(observations: Sequence[Observation]) -> Fit:
     y = np.array([o.seconds for o in observations], dtype=float)
     if np.any(y <= 0) or not np.all(np.isfinite(y)):
         raise FitError("an observation's time is not a positive number of seconds")
+    if api_cpu is not None:
+        y = np.maximum(y - [_api_share(o, api_cpu) for o in observations], ENGINE_SHARE_FLOOR * y)
     _check_identified(x)
-    # Relative errors: divide every row by its measured time; columns scaled to unit size.
-    a = x / y[:, None]
-    scale = np.abs(a).max(axis=0)
-    a = a / scale
-    ones = np.ones_like(y)
-    weights = ones
-    coef = np.zeros(len(TERMS))
-    for _ in range(MAX_ITERATIONS):
-        new = _nonnegative_lstsq(a, ones, weights)
-        relative = a @ new - ones
-        spread = max(1.4826 * float(np.median(np.abs(relative - np.median(relative)))), 1e-4)
-        weights = np.minimum(1.0, HUBER_K * spread / np.maximum(np.abs(relative), 1e-12))
-        converged = np.allclose(new, coef, rtol=1e-7, atol=1e-12)
-        coef = new
-        if converged:
-            break
-    relative = a @ coef - ones
-    stderr = _stderr(a, relative, weights, coef > 0)
-    terms = coef / scale
+    # Relative errors: divide every row by its measured time.
+    coef, stderr, relative, weights = _robust(x / y[:, None], np.ones_like(y))
     residuals = Residuals(
         observations=len(y),
         median_abs_relative=float(np.median(np.abs(relative))),
@@ -88,11 +83,50 @@ def fit_terms(observations: Sequence[Observation]) -> Fit:
             for o, r, w in zip(observations, relative, weights, strict=True)
         ),
     )
-    return Fit(
-        ProfileTerms.of_vector(terms),
-        ProfileTerms.of_vector(stderr / scale),
-        residuals,
-    )
+    return Fit(ProfileTerms.of_vector(coef), ProfileTerms.of_vector(stderr), residuals)
+
+
+def _api_share(row: Observation, api: ApiServerCpu) -> float:
+    """The API server's CPU inside ``row``'s time: a step's outputs (one message, a token per
+    streamed sequence) and, in a TTFT, the request itself (its CPU is charged where the
+    request starts: ``SharedCoreStepTime``)."""
+    outputs = api.per_step_s + api.per_output_token_s * row.streamed_tokens
+    return (outputs if row.streamed_tokens else 0.0) + api.per_request_s * row.api_requests
+
+
+def fit_api_cpu(rows: Sequence[ApiCpuObservation]) -> tuple[ApiServerCpu, ApiServerCpu] | None:
+    """The API server's CPU per request, output token and engine step over the probe runs,
+    with a constant per run (the ``/metrics`` reads around it), and their standard errors; None
+    when the runs are too few or do not separate the three."""
+    if len(rows) < MIN_OBSERVATIONS_PER_TERM * (len(API_CPU_TERMS) + 1):
+        return None
+    x = np.array([(1.0, r.requests, r.output_tokens, r.steps) for r in rows], dtype=float)
+    y = np.array([r.cpu_s for r in rows], dtype=float)
+    if np.linalg.matrix_rank(x) < x.shape[1] or not np.all(np.isfinite(y)) or y.mean() <= 0:
+        return None
+    coef, stderr, _, _ = _robust(x / y.mean(), y / y.mean())
+    return ApiServerCpu(*map(float, coef[1:])), ApiServerCpu(*map(float, stderr[1:]))
+
+
+def _robust(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Huber-weighted non-negative least squares of ``a @ coef ≈ b``: the coefficients, their
+    standard errors, the residuals ``a @ coef - b`` and the final weights."""
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-300)  # columns scaled to unit size
+    a = a / scale
+    weights = np.ones_like(b)
+    coef = np.zeros(a.shape[1])
+    for _ in range(MAX_ITERATIONS):
+        new = _nonnegative_lstsq(a, b, weights)
+        residual = a @ new - b
+        spread = max(1.4826 * float(np.median(np.abs(residual - np.median(residual)))), 1e-4)
+        weights = np.minimum(1.0, HUBER_K * spread / np.maximum(np.abs(residual), 1e-12))
+        converged = np.allclose(new, coef, rtol=1e-7, atol=1e-12)
+        coef = new
+        if converged:
+            break
+    residual = a @ coef - b
+    stderr = _stderr(a, residual, weights, coef > 0)
+    return coef / scale, stderr / scale, residual, weights
 
 
 def _check_identified(x: np.ndarray) -> None:

@@ -78,9 +78,25 @@ class Observation:
     kv_tokens_read: float
     api_requests: float = 0.0
 
+    streamed_tokens: float = 0.0
+    """Output tokens the API server streams while this time runs (on a shared core its work
+    on them is in the time: ``fit.fit_terms`` takes it out with ``api_cpu``)."""
+
     def features(self) -> tuple[float, ...]:
         """The design-matrix row, in the order of ``engine.profile.TERMS``."""
         return (1.0, self.prefill_tokens, self.sequences, self.kv_tokens_read, self.api_requests)
+
+
+@dataclass(frozen=True)
+class ApiCpuObservation:
+    """What one run of a probe cost the API server's process in CPU seconds, with the requests
+    it served, the output tokens it streamed and the engine steps whose outputs it handled."""
+
+    probe: str
+    cpu_s: float
+    requests: float
+    output_tokens: float
+    steps: float
 
 
 def design(max_model_len: int, max_num_seqs: int = 256) -> list[Probe]:
@@ -131,11 +147,12 @@ def observations(
 
 def _prefill_rows(probe: Probe, stream: Stream) -> list[Observation]:
     n = probe.prompt_tokens
-    rows = [Observation(probe.name, "ttft", stream.token_s[0] - stream.sent_s, n, 1, 0, 1)]
+    ttft = stream.token_s[0] - stream.sent_s
+    rows = [Observation(probe.name, "ttft", ttft, n, 1, 0, 1, streamed_tokens=1)]
     step = _step_s(stream, stream.token_s[0], stream.token_s[-1])
     if step:
         context = n + len(stream.token_s) / 2
-        rows.append(Observation(probe.name, "itl", step, 0, 1, context))
+        rows.append(Observation(probe.name, "itl", step, 0, 1, context, streamed_tokens=1))
     return rows
 
 
@@ -151,7 +168,7 @@ def _decode_rows(probe: Probe, streams: Sequence[Stream]) -> list[Observation]:
         for s in streams
     )
     kv = b * (probe.prompt_tokens + generated)
-    return [Observation(probe.name, "itl", statistics.median(steps), 0, b, kv)]
+    return [Observation(probe.name, "itl", statistics.median(steps), 0, b, kv, streamed_tokens=b)]
 
 
 def _mixed_rows(probe: Probe, streams: Sequence[Stream], late: Stream | None) -> list[Observation]:
@@ -170,7 +187,9 @@ def _mixed_rows(probe: Probe, streams: Sequence[Stream], late: Stream | None) ->
     before = statistics.mean(sum(1 for t in s.token_s if t <= first) for s in streams)
     kv = b * (probe.prompt_tokens + before)
     n = probe.late_prompt_tokens
-    return [Observation(probe.name, "mixed step", max(spanning), n, b + 1, kv)]
+    return [
+        Observation(probe.name, "mixed step", max(spanning), n, b + 1, kv, streamed_tokens=b + 1)
+    ]
 
 
 SERVER_SERIES = (
@@ -182,6 +201,12 @@ SERVER_SERIES = (
     "vllm:request_generation_tokens_count",
 )
 """The ``/metrics`` samples whose change over a probe gives the server's view of it."""
+STEP_SERIES = "vllm:iteration_tokens_total_count"
+"""One sample per engine step: its change over a probe is the probe's steps."""
+API_CPU_SERIES = "process_cpu_seconds_total"
+"""The CPU seconds of the process answering ``/metrics``: vLLM's API server (its
+``prometheus_client`` registry's process collector), whose change over a probe is what the
+probe cost the API server."""
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -191,7 +216,7 @@ def parse_metrics(text: str) -> dict[str, float]:
         if not line or line.startswith("#"):
             continue
         name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
-        if name not in SERVER_SERIES:
+        if name not in SERVER_SERIES and name not in (STEP_SERIES, API_CPU_SERIES):
             continue
         try:
             value = float(rest.rpartition(" ")[2] if "}" in rest else rest.split()[0])
@@ -227,7 +252,31 @@ def server_observations(
         step_s = delta["vllm:request_decode_time_seconds_sum"] / steps
         rows.append(
             Observation(
-                probe.name, "server decode step", step_s, 0, probe.concurrency, kv_tokens_read
+                probe.name,
+                "server decode step",
+                step_s,
+                0,
+                probe.concurrency,
+                kv_tokens_read,
+                streamed_tokens=probe.concurrency,
             )
         )
     return rows
+
+
+def api_cpu_observation(
+    probe: Probe, before: Mapping[str, float], after: Mapping[str, float]
+) -> ApiCpuObservation | None:
+    """The API server's CPU over one run of ``probe`` (None when ``/metrics`` lacks its CPU
+    counter or the engine's step count, ``vllm:iteration_tokens_total``, one sample a step).
+    A mixed probe's newcomer is one request more, of two tokens (``run._Client.run``)."""
+    if not all(name in before and name in after for name in (API_CPU_SERIES, STEP_SERIES)):
+        return None
+    late = 1 if probe.late_prompt_tokens else 0
+    return ApiCpuObservation(
+        probe.name,
+        after[API_CPU_SERIES] - before[API_CPU_SERIES],
+        probe.concurrency + late,
+        probe.concurrency * probe.output_tokens + 2 * late,
+        after[STEP_SERIES] - before[STEP_SERIES],
+    )

@@ -2,7 +2,8 @@
 
 Every prompt is fresh random token ids (seeded), so no probe finds another's prefix in the
 server's cache; a warm-up request goes first, unmeasured. Each probe runs ``repeats`` times,
-one at a time, and ``/metrics`` is read around each run (`probes.server_observations`).
+one at a time, and ``/metrics`` is read around each run (`probes.server_observations`, and the
+API server's CPU over the run, `probes.api_cpu_observation`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from dataclasses import dataclass
 import aiohttp
 
 from servematrix.calibration.probes import (
+    ApiCpuObservation,
     Observation,
     Probe,
     Stream,
+    api_cpu_observation,
     observations,
     parse_metrics,
     server_observations,
@@ -138,13 +141,15 @@ async def server_info(settings: Settings, session: aiohttp.ClientSession) -> Ser
 
 async def probe_server(
     settings: Settings, probes: list[Probe], progress: Callable[[str], None]
-) -> tuple[ServerInfo, list[Observation]]:
-    """Every probe ``settings.repeats`` times; the observations of all runs."""
+) -> tuple[ServerInfo, list[Observation], list[ApiCpuObservation]]:
+    """Every probe ``settings.repeats`` times; the observations of all runs, and the API
+    server's CPU over each run where ``/metrics`` gives it."""
     async with client_session(max(p.concurrency for p in probes) + 1) as session:
         info = await server_info(settings, session)
         client = _Client(settings, session)
         await client.stream(16, 2, StreamParser())  # warm-up, unmeasured
         rows: list[Observation] = []
+        api_rows: list[ApiCpuObservation] = []
         for probe in probes:
             for _ in range(settings.repeats):
                 before = await client.metrics()
@@ -153,5 +158,7 @@ async def probe_server(
                 measured = observations(probe, streams, late)
                 kv = measured[-1].kv_tokens_read if measured else 0.0
                 rows += measured + server_observations(probe, before, after, kv)
+                api = api_cpu_observation(probe, before, after)
+                api_rows += [api] if api else []
             progress(f"{probe.name}: {settings.repeats} runs")
-        return info, rows
+        return info, rows, api_rows

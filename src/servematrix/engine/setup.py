@@ -358,10 +358,15 @@ def profile_step_time(arch: Architecture, flags: EngineFlags) -> StepTimeChoice:
     label = f"profile {path} ({source.method} on {source.host or source.gpu}, {source.model}, "
     label += source.date
     label += f"; {scaling})" if scaling else ")"
+    cost = HostCost(0.0, 0.0, request_ms=terms.per_request_api_s * 1e3)
     if flags.gpu == CPU_HOST:
         label += ", the API server on the engine's cores"
-        return StepTimeChoice(SharedCoreStepTime(terms), label)
-    cost = HostCost(0.0, 0.0, request_ms=terms.per_request_api_s * 1e3)
+        api = profile.api_server_cpu
+        if api is None:
+            return StepTimeChoice(SharedCoreStepTime(terms), label)
+        label += " (its measured CPU in the steps)"
+        # The request's latency left after its CPU (charged in the step) runs beside.
+        return StepTimeChoice(WithHostCost(SharedCoreStepTime(terms, api), cost), label)
     return StepTimeChoice(WithHostCost(ProfileStepTime(terms), cost), label)
 
 
