@@ -376,7 +376,7 @@ def test_environment_proxies_are_ignored():
     with hanging_server() as url:
         env = {**os.environ, "HTTP_PROXY": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"}
         code = (
-            "import asyncio, sys; from servematrix import loadgen; "
+            "import asyncio, sys; from servematrix.client import loadgen; "
             f"s = loadgen.ClientSettings({url!r}, 'm', None, ready_timeout_s=5); "
             "asyncio.run(loadgen.wait_ready(s)); print('ready')"
         )
