@@ -10,16 +10,14 @@ starts. Short probes (3 s, a tail of 2 requests, at most 3 probes) keep it to a 
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
-from pathlib import Path
 
 import polars as pl
 import pytest
 
 from servematrix.deploy.supervise import port_problem
-from tests.workflow_helpers import copy_workflow, snakemake
+from tests.workflow_helpers import copy_workflow, live_processes, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -74,23 +72,6 @@ def _config() -> dict:
     }
 
 
-def _our_processes(workdir: Path, ports: dict[str, int]) -> list[str]:
-    """Command lines of live processes started for this workdir or on its ports."""
-    marks = [str(workdir)] + [f"--port {p} " for p in ports.values()]
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "stat").read_text().split(") ", 1)[1][0]
-        except OSError:
-            continue
-        if state != "Z" and any(mark in cmd + " " for mark in marks):
-            found.append(f"{proc.name}: {cmd[:160]}")
-    return found
-
-
 def test_only_the_simulator_top_topologies_are_deployed(tmp_path):
     cfg = _config()
     workdir = copy_workflow(tmp_path, cfg)
@@ -134,8 +115,8 @@ def test_only_the_simulator_top_topologies_are_deployed(tmp_path):
     again = snakemake(workdir, "-n", "--cores", "1", "all")
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
     deadline = time.monotonic() + 15
-    while _our_processes(workdir, cfg["ports"]) and time.monotonic() < deadline:
+    while live_processes(workdir, cfg["ports"]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _our_processes(workdir, cfg["ports"]) == []
+    assert live_processes(workdir, cfg["ports"]) == []
     for name, port in cfg["ports"].items():
         assert port_problem("127.0.0.1", port) is None, f"{name} port {port} still bound"

@@ -27,7 +27,7 @@ from servematrix.deploy.recipes import plan
 from servematrix.deploy.supervise import port_problem
 from servematrix.engine.hardware import gpu_spec
 from servematrix.spec import config
-from tests.workflow_helpers import cell_job, copy_workflow, start_snakemake
+from tests.workflow_helpers import cell_job, copy_workflow, live_processes, start_snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -106,28 +106,11 @@ def _snakemake(
     )
 
 
-def _our_processes(workdir: Path, ports: dict[str, int]) -> list[str]:
-    """Command lines of live processes started for this workdir or on its ports."""
-    marks = [str(workdir)] + [f"--port {p} " for p in ports.values()]
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "stat").read_text().split(") ", 1)[1][0]
-        except OSError:
-            continue
-        if state != "Z" and any(mark in cmd + " " for mark in marks):
-            found.append(f"{proc.name}: {cmd[:160]}")
-    return found
-
-
 def _assert_clean(workdir: Path, cfg: dict[str, Any]) -> None:
     deadline = time.monotonic() + 15
-    while _our_processes(workdir, cfg["ports"]) and time.monotonic() < deadline:
+    while live_processes(workdir, cfg["ports"]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _our_processes(workdir, cfg["ports"]) == []
+    assert live_processes(workdir, cfg["ports"]) == []
     for name, port in cfg["ports"].items():
         assert port_problem("127.0.0.1", port) is None, f"{name} port {port} still bound"
     leftovers = [p for p in (workdir / "results").rglob("*") if p.name.startswith(".")]

@@ -93,3 +93,20 @@ def start_snakemake(
         env=env,
         start_new_session=True,
     )
+
+
+def live_processes(workdir: Path, ports: dict[str, int]) -> list[str]:
+    """Command lines of live processes started for this workdir or on its ports."""
+    marks = [str(workdir)] + [f"--port {p} " for p in ports.values()]
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().split(") ", 1)[1][0]
+        except OSError:
+            continue
+        if state != "Z" and any(mark in cmd + " " for mark in marks):
+            found.append(f"{proc.name}: {cmd[:160]}")
+    return found
