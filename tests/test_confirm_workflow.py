@@ -10,14 +10,19 @@ starts. Short probes (3 s, a tail of 2 requests, at most 3 probes) keep it to a 
 from __future__ import annotations
 
 import json
-import random
 import time
 
 import polars as pl
 import pytest
 
 from servematrix.deploy.supervise import port_problem
-from tests.workflow_helpers import copy_workflow, live_processes, snakemake
+from tests.workflow_helpers import (
+    copy_workflow,
+    free_port_base,
+    live_processes,
+    port_block,
+    snakemake,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -25,27 +30,11 @@ MODEL = "Qwen2.5-7B-Instruct-GPTQ-Int4"
 TOPOLOGIES = {"1x(TP1)", "2x(TP1)", "1P(TP1)+1D(TP1)"}
 
 
-def _ports() -> dict[str, int]:
-    """A block of ports free now, below the kernel's ephemeral range."""
-    for _ in range(100):
-        base = random.randrange(10000, 31000, 1000)
-        ports = {
-            "proxy": base + 90,
-            "prefill": base + 100,
-            "decode": base + 200,
-            "single": base + 997,
-            "bootstrap": base + 800,
-        }
-        if all(port_problem("127.0.0.1", p + d) is None for p in ports.values() for d in (0, 1)):
-            return ports
-    raise RuntimeError("no free port block")
-
-
 def _config() -> dict:
     return {
         "backend": "emulator",
         "defaults": {"num_prompts": 8, "output_len": 8, "seed": 0},
-        "ports": _ports(),
+        "ports": port_block(free_port_base()),
         "deploy": {"startup_timeout_s": 60, "stop_timeout_s": 10},
         "slo": {"ttft": {"statistic": "p90", "max_ms": 500}},
         "capacity": {"min_duration_s": 3, "tail_requests": 2, "max_probes": 3},

@@ -9,7 +9,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -27,7 +26,14 @@ from servematrix.deploy.recipes import plan
 from servematrix.deploy.supervise import port_problem
 from servematrix.engine.hardware import gpu_spec
 from servematrix.spec import config
-from tests.workflow_helpers import cell_job, copy_workflow, live_processes, start_snakemake
+from tests.workflow_helpers import (
+    cell_job,
+    copy_workflow,
+    free_port_base,
+    live_processes,
+    port_block,
+    start_snakemake,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -37,40 +43,13 @@ MODEL = "Qwen2.5-7B-Instruct-GPTQ-Int4"
 A100_MIB = gpu_spec("A100-SXM4-80GB").memory_gib * 1024
 
 
-def _free_base() -> int:
-    """A block of 1000 ports whose every port a test deployment may bind is free now (each
-    test has its own), below the kernel's ephemeral range (32768+) so no client connection
-    can be holding one."""
-    for _ in range(100):
-        base = random.randrange(10000, 31000, 1000)
-        ports = set(_ports(base).values())
-        ports |= {_ports(base)["etcd"] + 1}  # etcd's peer port
-        ports |= {_ports(base)["mooncake"] + d for d in range(0, 120)}  # transfer engines
-        ports |= {_ports(base)["bootstrap"] + d for d in range(8)}
-        if all(port_problem("127.0.0.1", p) is None for p in ports):
-            return base
-    raise RuntimeError("no free port block")
-
-
-def _ports(base: int) -> dict[str, int]:
-    return {
-        "proxy": base + 90,
-        "prefill": base + 100,
-        "decode": base + 200,
-        "single": base + 997,
-        "etcd": base + 379,
-        "bootstrap": base + 800,
-        "mooncake": base + 503,
-    }
-
-
 def _config(
     modes: list[str], qps: list[float], num_prompts: int = 6, recipe: str = "v0", **deploy: Any
 ) -> dict[str, Any]:
     return {
         "backend": "emulator",
         "defaults": {"num_prompts": num_prompts, "output_len": 4, "seed": 0},
-        "ports": _ports(_free_base()),
+        "ports": port_block(free_port_base()),
         "deploy": {"startup_timeout_s": 120, "stop_timeout_s": 10, **deploy},
         "models": {
             MODEL: {
@@ -354,7 +333,7 @@ def test_interrupted_in_the_middle_of_a_cell(tmp_path, how):
 
 
 def test_backend_external_measures_a_running_server_and_starts_nothing(tmp_path):
-    port = _free_base() + 10
+    port = free_port_base() + 10
     server = subprocess.Popen(
         [
             sys.executable,
@@ -393,7 +372,7 @@ def test_backend_external_on_a_closed_port_says_what_it_waits_for(tmp_path):
     """First, on the terminal: what is waited for, where and how long; a port that refuses
     every connection ends the cell after deploy.refused_timeout_s, not startup_timeout_s (the
     line that ends it says which)."""
-    port = _free_base() + 10
+    port = free_port_base() + 10
     cfg = _config(["single"], [4], refused_timeout_s=3)
     cfg.update(backend="external", base_url=f"http://127.0.0.1:{port}/v1")
     workdir = copy_workflow(tmp_path, cfg)

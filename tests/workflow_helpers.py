@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from servematrix.deploy.supervise import port_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW_PARTS = (
@@ -110,3 +113,35 @@ def live_processes(workdir: Path, ports: dict[str, int]) -> list[str]:
         if state != "Z" and any(mark in cmd + " " for mark in marks):
             found.append(f"{proc.name}: {cmd[:160]}")
     return found
+
+
+def free_port_base() -> int:
+    """A block of 1000 ports whose every port a test deployment may bind is free now (each
+    test has its own), below the kernel's ephemeral range (32768+) so no client connection
+    can be holding one."""
+    for _ in range(100):
+        base = random.randrange(10000, 31000, 1000)
+        ports = set(port_block(base).values())
+        ports |= {port_block(base)["etcd"] + 1}  # etcd's peer port
+        ports |= {port_block(base)["mooncake"] + d for d in range(0, 120)}  # transfer engines
+        ports |= {port_block(base)["bootstrap"] + d for d in range(8)}
+        # xPyD and replicas: instance k of a role listens on the role's port + k
+        ports |= {
+            port_block(base)[r] + d for r in ("prefill", "decode", "single") for d in range(8)
+        }
+        if all(port_problem("127.0.0.1", p) is None for p in ports):
+            return base
+    raise RuntimeError("no free port block")
+
+
+def port_block(base: int) -> dict[str, int]:
+    """The ``ports:`` of a test deployment in the block at ``base``."""
+    return {
+        "proxy": base + 90,
+        "prefill": base + 100,
+        "decode": base + 200,
+        "single": base + 997,
+        "etcd": base + 379,
+        "bootstrap": base + 800,
+        "mooncake": base + 503,
+    }
