@@ -8,6 +8,8 @@ bracket widened by the probes' noise, ``capacity.edge_resolution``), the physica
 what broke first above it, probes and their requests, wall time of the search), how far
 the capacity moves when the probes are twice as long (``min_duration_s`` and
 ``tail_requests`` doubled) and whether it stays inside the interval, then the totals.
+``--extra-runs N`` sets ``capacity.extra_runs`` (a probe within noise of its limit pools up
+to N more runs at its rate) for both searches.
 
 ``--emulator-study NAME`` instead measures, per deployment of that study, the emulator's
 capacity (its search started from the simulator's), what a probe cost in wall time, and long
@@ -19,6 +21,7 @@ Usage (from the repository root)::
 
     .venv/bin/python benchmarks/capacity_search.py                      # config/config.yaml
     .venv/bin/python benchmarks/capacity_search.py --config my.yaml
+    .venv/bin/python benchmarks/capacity_search.py --extra-runs 3
     .venv/bin/python benchmarks/capacity_search.py --config small.yaml --emulator-study s
 """
 
@@ -44,7 +47,7 @@ def simulator_table(cfg: Config) -> None:
     print(f"{'study':<16} {'model':<30} {'mode':<14} {'in':>5} {'per GPU':>8} "
           f"{'bracket':>15} {'ceiling':>8} {'breaks first':<16} {'probes':>6} {'requests':>8} "
           f"{'wall s':>7} {'interval':>15} {'2x long':>8} {'inside':>6}")  # fmt: skip
-    total_s, total_probes, seen, within, inside = 0.0, 0, set(), 0, 0
+    total_s, total_probes, total_runs, seen, within, inside = 0.0, 0, 0, set(), 0, 0
     for name, study in cfg.studies.items():
         for path, cells in capacity_run.deployments(study.cells).items():
             if path in seen:
@@ -54,6 +57,7 @@ def simulator_table(cfg: Config) -> None:
             doc = capacity_run.search_deployment(cells, cfg.slo, _settings(cfg))
             wall_s = time.perf_counter() - started
             total_s, total_probes = total_s + wall_s, total_probes + doc["probes"]
+            total_runs += doc["probe_runs"]
             doubled = capacity_run.search_deployment(
                 cells,
                 cfg.slo,
@@ -78,7 +82,8 @@ def simulator_table(cfg: Config) -> None:
                   f"{doc['breaks_first']!s:<16} {doc['probes']:>6} "
                   f"{doc['probe_requests']:>8} {wall_s:>7.2f} {interval:>15} {change:>+8.1%} "
                   f"{'yes' if held else 'NO':>6}")  # fmt: skip
-    print(f"{len(seen)} deployments, {total_probes} probes, {total_s:.1f} s in all")
+    print(f"{len(seen)} deployments, {total_probes} probes ({total_runs} runs), "
+          f"{total_s:.1f} s in all")  # fmt: skip
     print(f"twice as long: {within} of {len(seen)} within the tolerance, {inside} of {len(seen)} "
           "inside the interval")  # fmt: skip
 
@@ -118,8 +123,12 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=Path("config/config.yaml"))
     parser.add_argument("--emulator-study")
     parser.add_argument("--long-s", type=float, default=600.0, help="emulator long runs")
+    parser.add_argument("--extra-runs", type=int, help="capacity.extra_runs for every search")
     args = parser.parse_args()
-    cfg = check_config(config.read_yaml(args.config))
+    raw = config.read_yaml(args.config)
+    if args.extra_runs is not None:
+        raw.setdefault("capacity", {})["extra_runs"] = args.extra_runs
+    cfg = check_config(raw)
     with tempfile.TemporaryDirectory(prefix="servematrix-capacity-") as scratch:
         os.chdir(scratch)
         if args.emulator_study:

@@ -439,3 +439,22 @@ def test_one_seed_gets_a_reproducible_bootstrap_interval(tmp_path: Path) -> None
     # TTFTs 100 and 200 ms: resampled means lie between them.
     assert 100.0 <= first["mean_ttft_ms_lo"] < first["mean_ttft_ms_hi"] <= 200.0
     assert first == aggregate.summarize([path]).row(0, named=True)
+
+
+def test_bootstrap_statistics_from_sorted_resamples_are_numpys_to_the_last_bit():
+    """The bootstrap reads the median and the P99 from sorted resamples: the same floats as
+    NumPy's median and linear percentile, at every sample size, infinities included."""
+    rng = np.random.default_rng(3)
+    for n in (*range(1, 260), 999, 1000, 1001):
+        resamples = rng.lognormal(0, 1, (5, n))
+        resamples[rng.random(resamples.shape) < 0.02] = np.inf
+        ordered = np.sort(resamples, axis=1)
+        with np.errstate(invalid="ignore"):  # inf - inf between two infinities: NaN
+            numpy_values = (
+                ("mean", resamples.mean(axis=1)),
+                ("median", np.median(resamples, axis=1)),
+                ("p99", np.percentile(resamples, 99, axis=1)),
+            )
+        for name, numpy_value in numpy_values:
+            got = intervals._statistic(resamples, ordered, name)
+            assert np.array_equal(got, numpy_value, equal_nan=True), (name, n)

@@ -233,3 +233,32 @@ def test_the_interval_of_one_search_is_its_bracket_widened_by_the_noise_at_its_e
     sharp = capacity.Search(0.58, 0.62, (_edge_probe(0.58, 0.9), _edge_probe(0.62, math.inf, None)))
     assert capacity.edge_resolution(sharp) == 0.0
     assert capacity.capacity_interval([sharp]) == intervals.Interval(0.58, 0.58, 0.62)
+
+
+def test_a_probe_near_its_limit_pools_extra_runs_with_fresh_seeds(
+    small_config, tmp_path, monkeypatch
+):
+    """With ``extra_runs``, a probe whose verdict is within two standard errors of its limit
+    runs again at its rate with seed + k × SEED_STRIDE, and the verdict is over the pooled
+    windows; far from the limit, or without ``extra_runs``, one run is all."""
+    monkeypatch.chdir(tmp_path)
+    cfg = config.load(small_config)
+    _, cells = next(iter(capacity_run.deployments(cfg.studies["disagg"].cells).items()))
+    settings = {**cfg.raw["capacity"], "max_probes": 12}
+    failing = capacity_run.search_deployment(cells, cfg.slo, settings)["searches"][0][
+        "failing_level"
+    ]
+    one = capacity_run.probe_at(cells[0], failing, cfg.slo, settings)
+    assert one.runs == 1 and capacity_run.near_flip(one)
+    extra = {**settings, "extra_runs": 2}
+    pooled = capacity_run.probe_at(cells[0], failing, cfg.slo, extra)
+    assert pooled.runs > 1 and pooled.requests == pooled.runs * one.requests
+    assert pooled.trace == one.trace
+    assert pooled.runs == 3 or not capacity_run.near_flip(pooled)  # the pooled verdict settled
+    seed = cells[0].workload.seed
+    stems = {p.stem for p in tmp_path.rglob(f"qps{failing:g}_*.parquet")}
+    assert {int(stem.rsplit("_s", 1)[1]) for stem in stems} == {
+        seed + k * capacity_run.SEED_STRIDE for k in range(pooled.runs)
+    }
+    far = capacity_run.probe_at(cells[0], failing / 4, cfg.slo, extra)
+    assert far.runs == 1

@@ -161,3 +161,20 @@ def test_the_binding_check_and_its_noise_over_batches_of_the_window():
     assert failing.edge_ratio == float("inf") and failing.edge_se is None
     too_few = steady.judge(run(n=400), SLO, tail_requests=1)  # batches of 40: no P99 in each
     assert too_few.edge_se is None
+
+
+def test_runs_pooled_judge_their_windows_together():
+    """Two runs at one rate pool their steady windows: a P99 that needs more requests than one
+    run's window holds is judged from both; a growing queue in either run breaks the verdict;
+    the rates are the pooled requests over the pooled windows' length."""
+    one = run(n=1000)
+    alone = steady.judge_runs([one], SLO, tail_requests=10)
+    assert alone.broken == ("P99 TTFT needs 1000 requests", "P99 TPOT needs 1000 requests")
+    pooled = steady.judge_runs([one, run(n=1000)], SLO, tail_requests=10)
+    assert pooled.met and pooled.steadiness.window_requests == 1600
+    assert pooled.requests_per_s == pytest.approx(10, rel=0.1)
+    assert pooled.output_tokens_per_s == pytest.approx(10 * 6, rel=0.1)
+    growing = run(n=1000, ttft_s=lambda sent: 0.1 + 0.35 * sent / sent.max())
+    mixed = steady.judge_runs([one, growing], SLO, tail_requests=10)
+    assert not mixed.met and steady.QUEUE_GROWING in mixed.broken
+    assert steady.judge_runs([run()], SLO, 10) == steady.judge(run(), SLO, 10)

@@ -233,7 +233,7 @@ def test_write_failure_leaves_no_temp_file_and_keeps_old_trace(
     trace.write(path, IDENTITY, records(), METADATA)
     before = path.read_bytes()
 
-    def write_half_then_fail(table: pa.Table, where: str) -> None:
+    def write_half_then_fail(table: pa.Table, where: str, **options: object) -> None:
         Path(where).write_bytes(b"PAR1 half a file")
         raise OSError("disk full")
 
@@ -248,7 +248,7 @@ def test_write_failure_leaves_no_temp_file_and_keeps_old_trace(
 def test_write_failure_on_new_path_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def fail(table: pa.Table, where: str) -> None:
+    def fail(table: pa.Table, where: str, **options: object) -> None:
         raise OSError("disk full")
 
     monkeypatch.setattr(pq, "write_table", fail)
@@ -311,3 +311,17 @@ def test_metadata_is_strict_json_with_an_infinite_qps(tmp_path: Path) -> None:
         "cell": {"workload": {"qps": "inf"}},
         "n": [1.5],
     }
+
+
+def test_only_text_columns_are_dictionary_encoded(tmp_path):
+    """The floats of a trace are nearly all distinct: only its text columns get a dictionary."""
+    path = tmp_path / "cell.parquet"
+    trace.write(path, IDENTITY, records(), {})
+    meta = pq.ParquetFile(path).metadata
+    encoded = {
+        meta.schema.column(i).path.split(".")[0]
+        for i in range(meta.num_columns)
+        if "RLE_DICTIONARY" in meta.row_group(0).column(i).encodings
+        or "PLAIN_DICTIONARY" in meta.row_group(0).column(i).encodings
+    }
+    assert encoded == {"backend", "recipe", "model", "mode", "dataset", "error"}

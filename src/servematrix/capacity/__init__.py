@@ -51,6 +51,9 @@ class Probe:
     edge_se: float | None = None
     """The binding check's ratio to its limit and its standard error
     (`servematrix.results.steady.Judgement`)."""
+    runs: int = 1
+    """Independent runs pooled for the verdict (``requests`` counts them all; ``trace`` is
+    the first's)."""
 
 
 @dataclass(frozen=True)

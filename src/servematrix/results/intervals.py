@@ -58,12 +58,24 @@ def t_interval(values: Iterable[float]) -> Interval:
     return Interval(mean, mean - half, mean + half)
 
 
-def _statistic(samples: np.ndarray, name: str) -> np.ndarray:
+def _statistic(resamples: np.ndarray, ordered: np.ndarray, name: str) -> np.ndarray:
+    """The statistic of each resample (a row of ``resamples``; ``ordered`` the same rows
+    sorted), as NumPy's ``mean``, ``median`` and linear ``percentile`` give it to the last bit,
+    the quantiles read from the sorted rows: one sort per metric instead of a partition per
+    statistic (a summary job's main cost)."""
+    n = ordered.shape[1]
     if name == "mean":
-        return samples.mean(axis=1)
+        return resamples.mean(axis=1)
     if name == "median":
-        return np.median(samples, axis=1)
-    return np.percentile(samples, 99, axis=1)
+        middle = ordered[:, n // 2]
+        return middle if n % 2 else (ordered[:, n // 2 - 1] + middle) / 2
+    position = 0.99 * (n - 1)
+    below = math.floor(position)
+    fraction = position - below
+    lo, hi = ordered[:, below], ordered[:, min(below + 1, n - 1)]
+    with np.errstate(invalid="ignore"):
+        step = hi - lo
+        return hi - step * (1 - fraction) if fraction >= 0.5 else lo + step * fraction
 
 
 def bootstrap_columns(latencies: metrics.Latencies) -> dict[str, float | None]:
@@ -73,12 +85,14 @@ def bootstrap_columns(latencies: metrics.Latencies) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for metric, data in values.items():
         picks = rng.integers(0, len(data), (BOOTSTRAP_RESAMPLES, len(data))) if len(data) else None
+        resamples = data[picks] if picks is not None else None
+        ordered = np.sort(resamples, axis=1) if resamples is not None else None
         for stat in STATISTICS:
             column = f"{stat}_{metric}_ms"
             if picks is None:
                 out[f"{column}_lo"] = out[f"{column}_hi"] = None
                 continue
-            spread = _statistic(data[picks], stat) * 1000
+            spread = _statistic(resamples, ordered, stat) * 1000
             out[f"{column}_lo"] = float(np.percentile(spread, 2.5))
             out[f"{column}_hi"] = float(np.percentile(spread, 97.5))
     return out

@@ -36,7 +36,7 @@ tolerance (``benchmarks/capacity_search.py`` shows it per deployment).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,27 +183,62 @@ def judge(
     shape: Shape = Shape(),
 ) -> Judgement:
     """A capacity probe's verdict: steady, and every SLO check met over the steady window."""
-    measured = measured_frame(table)
-    state = steadiness(measured, shape)
-    window = steady_window(measured, shape)
+    return judge_runs([table], slo, tail_requests, shape)
+
+
+def judge_runs(
+    tables: Sequence[pa.Table | pl.DataFrame],
+    slo: Slo,
+    tail_requests: int = TAIL_REQUESTS,
+    shape: Shape = Shape(),
+) -> Judgement:
+    """The verdict of independent runs at one level (other seeds): each must be steady (the
+    first reason found is reported), and the SLO is judged over their steady windows pooled,
+    so two runs hold the requests, and pin a percentile, as one run twice as long would."""
+    measured = [measured_frame(table) for table in tables]
+    states = [steadiness(frame, shape) for frame in measured]
+    windows = [steady_window(frame, shape) for frame in measured]
+    window = pl.concat(windows)
+    state = next((s for s in states if not s.steady), None) or _pooled(states)
     over = _checks(window, slo, tail_requests)
     if not state.steady:
         over.append((math.inf, state.reason))
     ranked = sorted(over, key=lambda x: -x[0])
     broken = tuple(label for ratio, label in ranked if not ratio <= 1)
-    start, end = window["sent_s"].min(), window["sent_s"].max()
-    done = measured.filter(pl.col("success") & pl.col("end_s").is_between(start, end))
-    span_s = state.window_s if state.window_s > 0 else math.inf
-    tokens_per_s = done["completion_tokens"].sum() / span_s
+    done = [
+        frame.filter(
+            pl.col("success") & pl.col("end_s").is_between(w["sent_s"].min(), w["sent_s"].max())
+        )
+        for frame, w in zip(measured, windows, strict=True)
+    ]
+    span_s = sum(s.window_s for s in states) if all(s.window_s > 0 for s in states) else math.inf
+    tokens_per_s = sum(d["completion_tokens"].sum() for d in done) / span_s
     edge_ratio, edge_label = ranked[0] if ranked else (0.0, "")
     return Judgement(
         not broken,
         broken,
         state,
         float(tokens_per_s),
-        done.height / span_s,
+        sum(d.height for d in done) / span_s,
         float(edge_ratio),
         _batch_se(window, slo, edge_label) if math.isfinite(edge_ratio) and ranked else None,
+    )
+
+
+def _pooled(states: Sequence[Steadiness]) -> Steadiness:
+    """Steady runs as one: their windows' requests and lengths summed, rates weighted by
+    length, the largest latency rise."""
+    if len(states) == 1:
+        return states[0]
+    span_s = sum(s.window_s for s in states)
+    return Steadiness(
+        True,
+        "",
+        window_requests=sum(s.window_requests for s in states),
+        window_s=span_s,
+        offered_rps=sum(s.offered_rps * s.window_s for s in states) / span_s,
+        completed_rps=sum(s.completed_rps * s.window_s for s in states) / span_s,
+        e2el_rise_ms=max(s.e2el_rise_ms for s in states),
     )
 
 

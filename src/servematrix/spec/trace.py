@@ -173,6 +173,14 @@ def _strict_json(value: Any) -> Any:
     return value
 
 
+DICTIONARY_COLUMNS = [
+    name for name, dtype in {**IDENTITY_COLUMNS, **REQUEST_COLUMNS}.items() if dtype == pa.string()
+]
+"""Only the text columns are dictionary-encoded: a trace's floats are nearly all distinct, and
+encoding them anyway took half the write time for a larger file (a 200,000-request probe:
+266 ms and 17.0 MB with every column, 106 ms and 16.0 MB with these)."""
+
+
 def write(
     path: str | os.PathLike[str],
     identity: CellIdentity,
@@ -187,7 +195,7 @@ def write(
     table = to_table(identity, records, metadata)
     check(table, path)
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
+        pq.write_table(table, tmp, use_dictionary=DICTIONARY_COLUMNS)
     return table
 
 
