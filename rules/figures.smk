@@ -1,11 +1,8 @@
 # The published study's figures: TTFT, TPOT and ITL (mean, median, P99), throughput and memory
-# (peak GPU memory, peak KV-cache usage) against x. Charts render in Snakemake's worker processes
-# (servematrix.workflow.worker_job, as the simulator's capacity searches), which imported altair
-# once: a job of its own process would spend more on its start and imports (~1.5 s) than on the
-# study's charts, and in Snakemake's own process they would take turns with the cells and
-# summaries (benchmarks/workflow_speed.py).
+# (peak GPU memory, peak KV-cache usage) against x. Charts render inside Snakemake, as the
+# summaries do (rules/aggregate.smk): a job of its own process would spend more on its start and
+# imports (~1.5 s) than on the study's charts.
 from servematrix.reporting.figures import write_study_figures
-from servematrix.workflow import worker_job
 
 
 rule figures:
@@ -31,8 +28,6 @@ rule figures:
     params:
         title=get_study_title,
         x=get_study_x,
-    threads: 0
     run:
-        worker_job(
-            log[0], write_study_figures, input[0], params.title, params.x, Path(output.ttft).parent
-        )
+        with in_process_job(log[0]):
+            write_study_figures(input[0], params.title, params.x, Path(output.ttft).parent)

@@ -199,8 +199,8 @@ _IN_PROCESS = threading.Lock()
 
 @contextlib.contextmanager
 def in_process_job(log_path: str) -> Iterator[logging.Logger]:
-    """A job that runs inside the Snakemake process: a `run:` rule (a simulated cell, a summary,
-    a findings page, the front page), which the default profile's
+    """A job that runs inside the Snakemake process: a `run:` rule (a simulated cell or capacity
+    search, a summary, a findings page, a study's charts), which the default profile's
     ``force-use-threads`` runs in a thread, where a script job would pay ~1.3 s for a new
     interpreter and its imports.
 
@@ -242,11 +242,11 @@ PR_SET_PDEATHSIG = 1
 
 
 def worker_job(log_path: str, job: Callable[..., None], *args: Any) -> None:
-    """A CPU-bound job (a simulated deployment's capacity search, a study's charts) in a worker
-    process, so that such jobs use every core Snakemake was given instead of taking turns in its
-    process (as `in_process_job`s do). The workers fork from a server that imported the capacity
-    search and the charts (altair) once, so a job costs no interpreter start; the job's log
-    records go to its log file, and an error fails the job here."""
+    """A CPU-bound simulator job (a deployment's capacity search) in a worker process, so that
+    such jobs use every core Snakemake was given instead of taking turns in its process (as
+    `in_process_job`s do). The workers fork from a server that imported the package once, so a
+    job costs no interpreter start; the job's log records go to its log file, and an error
+    fails the job here."""
     future = _worker_pool().submit(_logged_job, log_path, job, *args)
     future.result()
 
@@ -255,9 +255,7 @@ def _worker_pool() -> concurrent.futures.ProcessPoolExecutor:
     with _WORKERS_LOCK:
         if not _WORKERS:
             context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(
-                ["servematrix.capacity.run", "servematrix.reporting.figures"]
-            )
+            context.set_forkserver_preload(["servematrix.capacity.run"])
             _WORKERS.append(
                 concurrent.futures.ProcessPoolExecutor(
                     max_workers=os.cpu_count() or 1,
