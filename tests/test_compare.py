@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import altair as alt
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
@@ -118,10 +119,10 @@ def _layers(spec: dict) -> list[list[dict]]:
 def test_figure_has_one_row_per_configuration_and_one_line_per_backend():
     cells = [(m, mode, q) for m in ("a", "b") for mode in ("chunked", "nondisagg") for q in (2, 4)]
     panels = COMPARED_FIGURES["ttft"]
-    chart = comparison_figure(
+    spec = comparison_figure(
         summary("simulator", cells, 2.0), summary("vllm", cells), "T", "qps", panels
     )
-    spec = chart.to_dict()
+    alt.VConcatChart.from_dict(spec)  # a valid Vega-Lite spec (composed as dicts)
     rows = _layers(spec)
     assert len(rows) == 4 and all(len(row) == len(panels) == 2 for row in rows)
     # canonical mode order within each model, both named when both vary
@@ -149,7 +150,7 @@ def test_figure_of_one_configuration_has_no_row_title_and_drops_non_finite_point
     measured = summary("emulator", CELLS).with_columns(pl.Series("p99_ttft_ms", [math.inf, 2.0]))
     spec = comparison_figure(
         summary("simulator", CELLS), measured, "T", "qps", COMPARED_FIGURES["ttft"]
-    ).to_dict()
+    )
     assert len(spec["vconcat"]) == 1 and spec["vconcat"][0]["title"]["text"] == ""
     values = next(iter(spec["datasets"].values()))
     assert [v["p99_ttft_ms"] for v in values if v["source"] == "emulator (measured)"] == [None, 2.0]

@@ -12,6 +12,7 @@ import html
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import altair as alt
 import polars as pl
@@ -230,7 +231,7 @@ def _row_title(model: str, mode: str, models: int, modes: int) -> str:
 
 def comparison_figure(
     predicted: pl.DataFrame, measured: pl.DataFrame, title: str, x: str, panels: list[Panel]
-) -> alt.VConcatChart:
+) -> dict[str, Any]:
     """One row of panels per configuration (model, mode), one panel per metric, and in each
     panel one line per backend: measured solid, predicted dashed."""
     if x not in X_AXES:
@@ -252,7 +253,7 @@ def comparison_figure(
         part = data.filter((pl.col("model") == model) & (pl.col("mode") == mode))
         charts = [_panel(part, panel, x, names) for panel in panels]
         row_title = _row_title(model, mode, models, modes) if len(configurations) > 1 else ""
-        rows.append(alt.hconcat(*charts, title=alt.Title(row_title, fontSize=14, anchor="start")))
+        rows.append((alt.Title(row_title, fontSize=14, anchor="start"), charts))
     return figure_grid(rows, title, ["color", "strokeDash"])
 
 
@@ -275,8 +276,8 @@ def _panel(data: pl.DataFrame, panel: Panel, x: str, names: list[str]) -> alt.Ch
 
 def comparison_figures(
     predicted: pl.DataFrame, measured: pl.DataFrame, title: str, x: str
-) -> dict[str, alt.VConcatChart]:
-    """Figure name → chart: TTFT, TPOT, ITL (mean, P99) and throughput, both backends."""
+) -> dict[str, dict[str, Any]]:
+    """Figure name → Vega-Lite spec: TTFT, TPOT, ITL (mean, P99) and throughput, both backends."""
     names = {**LATENCY_FAMILIES, "throughput": "Throughput"}
     vs = f"predicted vs measured ({measured['backend'][0]})"
     return {

@@ -225,16 +225,76 @@ def finite_points(data: pl.DataFrame, panels: list[Panel]) -> pl.DataFrame:
     )
 
 
-def figure_grid(rows: list[alt.HConcatChart], title: str, shared: list[str]) -> alt.VConcatChart:
-    """Rows of panels under one title; the ``shared`` encodings (a legend each) are shared by
-    every panel, each panel keeps its own y scale."""
-    return (
-        alt.vconcat(*rows, title=alt.Title(title, fontSize=16, anchor="start"))
-        .resolve_scale(**dict.fromkeys(shared, "shared"), y="independent")
-        .configure_legend(orient="right", labelLimit=0, titleFontSize=12, labelFontSize=12)
-        .configure_axis(labelFontSize=11, titleFontSize=12)
-        .configure_title(fontSize=13)
+def chart_spec(chart: alt.TopLevelMixin) -> dict[str, Any]:
+    """``chart``'s Vega-Lite spec as ``Chart.save`` writes it: every row inlined into its
+    ``datasets``, none in a side file. Not validated against the schema here (a third of the
+    cost); the tests validate every figure's spec."""
+    with alt.data_transformers.enable("default"), alt.data_transformers.disable_max_rows():
+        return chart.to_dict(validate=False, context={"pre_transform": False})
+
+
+Row = tuple["alt.Title | str", list[alt.TopLevelMixin]]
+"""A row of panels under its title."""
+
+
+def figure_grid(rows: list[Row], title: str, shared: list[str]) -> dict[str, Any]:
+    """The Vega-Lite spec of rows of panels under one title; the ``shared`` encodings (a
+    legend each) are shared by every panel, each panel keeps its own y scale.
+
+    Composed as dicts from each panel's spec, as Altair composes it (a row's data lifted to
+    the row when its panels share it): Altair's concat charts deep-copy every subchart at
+    each level and for each method applied, about a second a figure."""
+    datasets: dict[str, Any] = {}
+    theme: dict[str, Any] = {}
+
+    def part(chart: alt.TopLevelMixin) -> dict[str, Any]:
+        spec = chart_spec(chart)
+        datasets.update(spec.pop("datasets", {}))
+        theme.update(spec.pop("config", {}))
+        spec.pop("$schema", None)
+        return spec
+
+    grid = [
+        _lift_data({"hconcat": [part(c) for c in charts], "title": _title_spec(row_title)})
+        for row_title, charts in rows
+    ]
+    config = {
+        **theme,
+        "axis": {"labelFontSize": 11, "titleFontSize": 12},
+        "legend": {"labelFontSize": 12, "labelLimit": 0, "orient": "right", "titleFontSize": 12},
+        "title": {"fontSize": 13},
+    }
+    spec = _lift_data(
+        {
+            "config": config,
+            "vconcat": grid,
+            "resolve": {"scale": {**dict.fromkeys(shared, "shared"), "y": "independent"}},
+            "title": {"text": title, "anchor": "start", "fontSize": 16},
+        }
     )
+    return {**spec, "$schema": alt.SCHEMA_URL, "datasets": datasets}
+
+
+def _lift_data(concat: dict[str, Any]) -> dict[str, Any]:
+    """``concat`` with its parts' data moved up to it when they all share one, right after
+    its parts (the keys in the order Altair writes them: the HTML page has the spec's text)."""
+    key = "hconcat" if "hconcat" in concat else "vconcat"
+    parts = concat[key]
+    if not parts or not all("data" in p and p["data"] == parts[0]["data"] for p in parts):
+        return concat
+    data = parts[0]["data"]
+    for p in parts:
+        del p["data"]
+    lifted = {}
+    for name, value in concat.items():
+        lifted[name] = value
+        if name == key:
+            lifted["data"] = data
+    return lifted
+
+
+def _title_spec(title: alt.Title | str) -> dict[str, Any] | str:
+    return title.to_dict(validate=False) if isinstance(title, alt.Title) else title
 
 
 def _panel_chart(
@@ -251,9 +311,7 @@ def _panel_chart(
     return line_panel(data, panel, x, color, tooltip)
 
 
-def build_figure(
-    summary: pl.DataFrame, title: str, x: str, panels: list[Panel]
-) -> alt.VConcatChart:
+def build_figure(summary: pl.DataFrame, title: str, x: str, panels: list[Panel]) -> dict[str, Any]:
     """The grid of panels for one figure: rows per facet value, columns per panel."""
     _check(summary, x, [p.column for p in panels])
     layout = choose_layout(summary)
@@ -270,7 +328,7 @@ def build_figure(
         row_title = (
             alt.Title(f"Model: {facet}", fontSize=14, anchor="start") if facet is not None else ""
         )
-        rows.append(alt.hconcat(*charts, title=row_title))
+        rows.append((row_title, charts))
     return figure_grid(rows, title, ["color", "shape"])
 
 
@@ -306,14 +364,13 @@ def offline_html(spec: dict[str, Any]) -> str:
     )
 
 
-def save_figure(chart: alt.TopLevelMixin, stem: Path) -> list[Path]:
+def save_figure(chart: alt.TopLevelMixin | dict[str, Any], stem: Path) -> list[Path]:
     """``stem``.svg and ``stem``.html, both usable offline: the files ``Chart.save`` writes,
-    from one validated spec (``Chart.save`` builds and validates it again for each file)."""
+    from one spec (``Chart.save`` builds it again for each file); ``chart`` is a chart or its
+    Vega-Lite spec (`figure_grid`)."""
     from altair.utils.mimebundle import spec_to_mimebundle
 
-    # As Chart.save: every row inlined into the spec, none in a side file.
-    with alt.data_transformers.enable("default"), alt.data_transformers.disable_max_rows():
-        spec = chart.to_dict(context={"pre_transform": False})
+    spec = chart if isinstance(chart, dict) else chart_spec(chart)
     svg = spec_to_mimebundle(
         spec, format="svg", mode="vega-lite", vegalite_version=alt.VEGALITE_VERSION
     )
@@ -323,8 +380,8 @@ def save_figure(chart: alt.TopLevelMixin, stem: Path) -> list[Path]:
     return paths
 
 
-def study_figures(summary: pl.DataFrame, title: str, x: str) -> dict[str, alt.VConcatChart]:
-    """Figure name → chart, for every figure of one study."""
+def study_figures(summary: pl.DataFrame, title: str, x: str) -> dict[str, dict[str, Any]]:
+    """Figure name → Vega-Lite spec, for every figure of one study."""
     figures = {
         family: build_figure(summary, f"{label} — {title}", x, latency_panels(family))
         for family, label in LATENCY_FAMILIES.items()
