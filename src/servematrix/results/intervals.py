@@ -84,14 +84,13 @@ def bootstrap_columns(latencies: metrics.Latencies) -> dict[str, float | None]:
     values = {"ttft": latencies.ttft_s, "tpot": latencies.tpot_s, "e2el": latencies.e2el_s}
     out: dict[str, float | None] = {}
     for metric, data in values.items():
-        picks = rng.integers(0, len(data), (BOOTSTRAP_RESAMPLES, len(data))) if len(data) else None
-        resamples = data[picks] if picks is not None else None
-        ordered = np.sort(resamples, axis=1) if resamples is not None else None
-        for stat in STATISTICS:
-            column = f"{stat}_{metric}_ms"
-            if picks is None:
-                out[f"{column}_lo"] = out[f"{column}_hi"] = None
-                continue
+        columns = [f"{stat}_{metric}_ms" for stat in STATISTICS]
+        if not len(data):
+            out.update({f"{column}_{end}": None for column in columns for end in ("lo", "hi")})
+            continue
+        resamples = data[rng.integers(0, len(data), (BOOTSTRAP_RESAMPLES, len(data)))]
+        ordered = np.sort(resamples, axis=1)
+        for stat, column in zip(STATISTICS, columns, strict=True):
             spread = _statistic(resamples, ordered, stat) * 1000
             out[f"{column}_lo"] = float(np.percentile(spread, 2.5))
             out[f"{column}_hi"] = float(np.percentile(spread, 97.5))
