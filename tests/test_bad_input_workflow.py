@@ -191,11 +191,16 @@ def test_the_worked_example_runs(tmp_path):
 
 def test_the_worked_example_runs_on_the_emulator(tmp_path, monkeypatch):
     """The same example with `--config backend=emulator`: the emulator is told the config's
-    architecture (its hf_id is in no cache here, and the Hub is not asked)."""
+    architecture (its hf_id is in no cache here, and the Hub is not asked). With the capacity
+    probes a second config file shortens, as docs/configuration.md shows: each probe of the
+    default is two minutes of wall time and enough requests for a P99 (about eight minutes)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     workdir = copy_workflow(tmp_path, yaml.safe_load((ROOT / "config" / "config.yaml").read_text()))
     shutil.copytree(ROOT / "config" / "examples", workdir / "config" / "examples")
-    example = ("--configfile", "config/examples/my-model.yaml", "--config", "backend=emulator")
+    quick = {"capacity": {"min_duration_s": 10, "tail_requests": 2}}
+    (workdir / "config" / "quick-probes.yaml").write_text(yaml.safe_dump(quick))
+    configs = ("config/examples/my-model.yaml", "config/quick-probes.yaml")
+    example = ("--configfile", *configs, "--config", "backend=emulator")
     run = snakemake(workdir, "--cores", "1", "all", *example)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = pl.read_parquet(workdir / "results" / "emulator" / "summary" / "my-model.parquet")
