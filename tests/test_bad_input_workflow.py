@@ -193,7 +193,7 @@ def test_the_worked_example_runs_on_the_emulator(tmp_path, monkeypatch):
     """The same example with `--config backend=emulator`: the emulator is told the config's
     architecture (its hf_id is in no cache here, and the Hub is not asked). With the capacity
     probes a second config file shortens, as docs/configuration.md shows: each probe of the
-    default is two minutes of wall time and enough requests for a P99 (about eight minutes)."""
+    default is two minutes of wall time and enough requests for a P99 (7.5 minutes in CI)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     workdir = copy_workflow(tmp_path, yaml.safe_load((ROOT / "config" / "config.yaml").read_text()))
     shutil.copytree(ROOT / "config" / "examples", workdir / "config" / "examples")
