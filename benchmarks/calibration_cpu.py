@@ -34,7 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,6 +133,18 @@ def raw_config(backend: str, model: str, mode: str, cells: list[HeldOut], rate: 
 
 def cells_of(raw: dict) -> list[Cell]:
     return [c for study in config.load(raw).studies.values() for c in study.cells]
+
+
+def scratch(prefix: str, models: Iterable[str]) -> Path:
+    """The tier's venv and ``models`` (built when missing) and a fresh scratch directory, made
+    the current one (the benchmark's cells and deployments write there)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the models are local directories
+    env.ensure_venv()
+    for model in models:
+        env.ensure_model(name=model)
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chdir(work)
+    return work
 
 
 @contextlib.contextmanager
@@ -261,12 +273,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="calibrate's runs per probe")
     args = parser.parse_args()
     exit_on_sigterm()
-    os.environ["HF_HUB_OFFLINE"] = "1"  # the models are local directories
-    env.ensure_venv()
-    for model in (FIT_MODEL, LARGER_MODEL):
-        env.ensure_model(name=model)
-    work = Path(tempfile.mkdtemp(prefix="calibration-cpu-"))
-    os.chdir(work)
+    work = scratch("calibration-cpu-", (FIT_MODEL, LARGER_MODEL))
     profile = work / "profile.yaml"
     print(f"work directory {work}; load average {os.getloadavg()}", flush=True)
     reference = raw_config("simulator", FIT_MODEL, "single", [HeldOut(FIT_MODEL, "single", 1)], 1)

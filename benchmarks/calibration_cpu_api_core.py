@@ -19,24 +19,17 @@ Usage (from the repository root, in a private network namespace; about 4 minutes
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
-from calibration_cpu import CLIENT_CORE, FIT_MODEL, VLLM_CORE, pin, served
+from calibration_cpu import CLIENT_CORE, FIT_MODEL, VLLM_CORE, pin, scratch, served
 from calibration_cpu_processes import stream, vllm_pids
-
-from servematrix.vllmcpu import env
 
 RATES = (30.0, 60.0)
 ARRANGEMENTS = ("shared", "api-on-core1", "shared", "api-on-core1")
 
 
 def main() -> None:
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    env.ensure_venv()
-    env.ensure_model(name=FIT_MODEL)
-    work = Path(tempfile.mkdtemp(prefix="calibration-cpu-api-core-"))
-    os.chdir(work)
+    work = scratch("calibration-cpu-api-core-", (FIT_MODEL,))
     print(f"load average {os.getloadavg()}", flush=True)
     print("arrangement    rate  steps  ms/step  TTFT ms  TPOT ms  API CPU  EngineCore  Worker")
     with served(FIT_MODEL, "single", work) as plan:

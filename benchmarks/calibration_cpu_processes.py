@@ -18,7 +18,6 @@ Usage (from the repository root, in a private network namespace; about 3 minutes
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -32,11 +31,11 @@ from calibration_cpu import (
     measured,
     raw_config,
     run_all,
+    scratch,
     served,
 )
 
 from servematrix.calibration.probes import API_CPU_SERIES, parse_metrics
-from servematrix.vllmcpu import env
 
 STREAMS = (  # (rate req/s, input tokens, output tokens); rate 0: idle for STREAM_S
     (0.0, 128, 32),
@@ -82,11 +81,7 @@ def server_counters(url: str) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    env.ensure_venv()
-    env.ensure_model(name=FIT_MODEL)
-    work = Path(tempfile.mkdtemp(prefix="calibration-cpu-processes-"))
-    os.chdir(work)
+    work = scratch("calibration-cpu-processes-", (FIT_MODEL,))
     print(f"load average {os.getloadavg()}", flush=True)
     rows = []
     with served(FIT_MODEL, "single", work) as plan:
