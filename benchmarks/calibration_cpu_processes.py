@@ -1,7 +1,8 @@
 """Where real vLLM CPU spends its core under a steady stream: CPU seconds per process.
 
-Serves the tier's tiny Qwen2 as ``calibration_cpu.py`` does (API server, engine core and
-worker pinned to core 0, this client to core 1), sends steady Poisson streams at a few rates
+Serves the tier's tiny Qwen2 with everything of vLLM (API server, engine core and worker)
+pinned to core 0 and this client to core 1, as ``calibration_cpu.py`` serves a two-instance
+mode's instance, sends steady Poisson streams at a few rates
 and shapes through the workflow's cell code, and reads each vLLM process's utime + stime
 (``/proc/<pid>/stat``) around every stream, and the API server's own
 ``process_cpu_seconds_total`` from ``/metrics`` (what ``servematrix calibrate`` reads). It
@@ -27,7 +28,6 @@ from calibration_cpu import (
     FIT_MODEL,
     VLLM_CORE,
     HeldOut,
-    group_pids,
     measured,
     raw_config,
     run_all,
@@ -36,6 +36,7 @@ from calibration_cpu import (
 )
 
 from servematrix.calibration.probes import API_CPU_SERIES, parse_metrics
+from servematrix.deploy.cpupins import group_pids, pin_threads
 
 STREAMS = (  # (rate req/s, input tokens, output tokens); rate 0: idle for STREAM_S
     (0.0, 128, 32),
@@ -86,6 +87,8 @@ def main() -> None:
     rows = []
     with served(FIT_MODEL, "single", work) as plan:
         pids = {p: Path(f"/proc/{p}/comm").read_text().strip() for p in vllm_pids(plan.base_url)}
+        for pid in pids:  # the API server back onto the engine's core
+            pin_threads(pid, (VLLM_CORE,))
         for rate, input_len, output_len in STREAMS:
             rows.append(stream(plan.base_url, pids, rate, input_len, output_len))
     print(f"load average {os.getloadavg()}\n")

