@@ -18,9 +18,11 @@ engine's core, as vLLM's CPU backend leaves it cores of its own when it binds th
 (``calibrate --api-server-apart``; on the engine's core it costs the engine more than its CPU,
 ``calibration_cpu_api_core.py``). A two-instance mode's second instance needs core 1, so there
 each instance's API server stays on its engine's core (``engine.api_server_apart: false``) and
-the client shares core 1 with the second instance. Printed: the profile, one row per cell
-(predicted against measured mean TTFT, TPOT and E2E latency), both capacities and, last, one
-line::
+the client shares core 1 with the second instance. Every held-out cell is measured twice (the
+same seeded requests): how far the two lie apart is the floor no prediction can be expected to
+beat. Printed: the profile, one row per cell (predicted, measured and measured again mean
+TTFT, TPOT and E2E latency), per mode the MAPE of the second measurement against the first
+beside the prediction's, both capacities and, last, one line::
 
     held-out cells: N; MAPE mean TTFT X %, mean TPOT Y %, mean E2E Z %;
     capacity predicted/measured R   (one line)
@@ -208,35 +210,73 @@ def ape(predicted: float, actual: float) -> float:
     return abs(predicted - actual) / actual * 100
 
 
-def table(rows: list[tuple[HeldOut, float, metrics.CellMetrics, metrics.CellMetrics]]) -> str:
+FIELDS = ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms")
+
+
+@dataclass(frozen=True)
+class Row:
+    """A held-out cell at its rate: predicted, measured, and measured again (the same seeded
+    requests once more: how far two measurements of the cell lie apart)."""
+
+    held: HeldOut
+    qps: float
+    predicted: metrics.CellMetrics
+    measured: metrics.CellMetrics
+    again: metrics.CellMetrics
+
+
+def table(rows: list[Row]) -> str:
     lines = [
         f"{'model':<12} {'mode':<10} {'in':>4} {'out':>4} {'qps':>6} "
-        f"{'TTFT ms pred/meas':>18} {'TPOT ms pred/meas':>18} {'E2E ms pred/meas':>18}"
+        f"{'TTFT ms pred/meas/again':>24} {'TPOT ms pred/meas/again':>24} "
+        f"{'E2E ms pred/meas/again':>26}"
     ]
-    for held, qps, p, m in rows:
-        pairs = [
-            (p.mean_ttft_ms, m.mean_ttft_ms),
-            (p.mean_tpot_ms, m.mean_tpot_ms),
-            (p.mean_e2el_ms, m.mean_e2el_ms),
-        ]
-        cols = " ".join(f"{a:>8.1f}/{b:<9.1f}" for a, b in pairs)
+    for row in rows:
+        cols = " ".join(
+            "/".join(
+                f"{getattr(m, field):.1f}" for m in (row.predicted, row.measured, row.again)
+            ).rjust(24 if field != "mean_e2el_ms" else 26)
+            for field in FIELDS
+        )
+        held = row.held
         lines.append(
             f"{held.model:<12} {held.mode:<10} {held.input_len:>4} {held.output_len:>4} "
-            f"{qps:>6.2f} {cols}"
+            f"{row.qps:>6.2f} {cols}"
         )
     return "\n".join(lines)
 
 
-def summary(rows: list, predicted: float, measured: float) -> str:
+def mapes(rows: list[Row], first: str, second: str) -> str:
+    """Mean |first - second| / second over ``rows`` for each of TTFT, TPOT and E2E."""
+    values = [
+        sum(ape(getattr(getattr(r, first), f), getattr(getattr(r, second), f)) for r in rows)
+        / len(rows)
+        for f in FIELDS
+    ]
+    return (
+        f"MAPE mean TTFT {values[0]:.1f} %, mean TPOT {values[1]:.1f} %, mean E2E {values[2]:.1f} %"
+    )
+
+
+def noise(rows: list[Row]) -> str:
+    """The measured-again lines: per mode, the second measurement against the first, the
+    floor no prediction of these cells can be expected to beat."""
+    lines = []
+    for mode in dict.fromkeys(r.held.mode for r in rows):
+        of_mode = [r for r in rows if r.held.mode == mode]
+        again = mapes(of_mode, "again", "measured")
+        predicted = mapes(of_mode, "predicted", "measured")
+        lines.append(
+            f"{mode} ({len(of_mode)} cells): measured again {again}; predicted {predicted}"
+        )
+    return "\n".join(lines)
+
+
+def summary(rows: list[Row], predicted: float, measured: float) -> str:
     """The last line; a measured capacity of 0 (no probe met the SLO) makes the ratio inf."""
-
-    def mape(field: str) -> float:
-        return sum(ape(getattr(p, field), getattr(m, field)) for _, _, p, m in rows) / len(rows)
-
     ratio = f"{predicted / measured:.2f}" if measured else "inf (no measured probe met the SLO)"
     return (
-        f"held-out cells: {len(rows)}; MAPE mean TTFT {mape('mean_ttft_ms'):.1f} %, "
-        f"mean TPOT {mape('mean_tpot_ms'):.1f} %, mean E2E {mape('mean_e2el_ms'):.1f} %; "
+        f"held-out cells: {len(rows)}; {mapes(rows, 'predicted', 'measured')}; "
         f"capacity predicted/measured {ratio}"
     )
 
@@ -257,14 +297,17 @@ def describe(doc: dict) -> str:
 
 def held_out(model: str, mode: str, rate: float, profile: Path, plan: processes.Plan) -> list:
     """The rows of the held-out cells of ``model`` in ``mode``, served by ``plan``'s
-    deployment once nothing earlier is in flight: (cell, its rate, predicted, measured)."""
+    deployment once nothing earlier is in flight, each measured twice."""
     cells = [h for h in HELD_OUT if (h.model, h.mode) == (model, mode)]
     raw = raw_config("external", model, mode, cells, rate)
     predicted = run_all(simulated(raw, profile, mode))
     wait_quiet(plan.processes, QUIET_TIMEOUT_S)  # a capacity probe past the knee may linger
     actual = run_all(measured(raw, plan.base_url))
+    wait_quiet(plan.processes, QUIET_TIMEOUT_S)
+    again = {f"again-{name}": study for name, study in raw["studies"].items()}
+    repeated = run_all(measured(raw | {"studies": again}, plan.base_url))
     qps = [c.workload.qps for c in cells_of(raw)]
-    return list(zip(cells, qps, predicted, actual, strict=True))
+    return [Row(*r) for r in zip(cells, qps, predicted, actual, repeated, strict=True)]
 
 
 def main() -> None:
@@ -292,6 +335,7 @@ def main() -> None:
     print(describe(docs["simulator"]))
     print(describe(docs["external"]))
     print(f"\n{table(rows)}\n\nload average {os.getloadavg()}")
+    print(noise(rows))
     print(summary(rows, docs["simulator"]["capacity"], docs["external"]["capacity"]))
 
 

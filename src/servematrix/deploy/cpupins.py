@@ -6,8 +6,9 @@ vLLM binds one to a core from ``VLLM_CPU_OMP_THREADS_BIND``. Nothing pins the fi
 run wherever the scheduler puts them, the engine's cores included. There the API server costs
 the engine more than its CPU (``benchmarks/calibration_cpu_api_core.py``); vLLM itself leaves
 cores to it when it binds the workers (``reserve_cpu_num``). Once the instance is healthy (every
-process started), `place` moves every thread of its API server to ``api_server_cores`` and its
-engine core to the instance's own cores; the workers' threads keep vLLM's binding.
+process started), `place` moves every thread of its API server to ``api_server_cores`` and
+every thread of its engine core and workers that is not already on the instance's cores onto
+them (the workers' OpenMP threads keep vLLM's binding, one core each).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ class PinError(OSError):
     """A core the kernel refused (one line naming the field and the cores)."""
 
 
-def group_pids(pgid: int, proc: Path = Path("/proc")) -> list[int]:
+def group_pids(pgid: int) -> list[int]:
     """Every process of process group ``pgid`` (a deployment starts each instance as one)."""
     pids = []
-    for entry in proc.iterdir():
+    for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         with contextlib.suppress(OSError, IndexError, ValueError):
@@ -36,10 +37,10 @@ def group_pids(pgid: int, proc: Path = Path("/proc")) -> list[int]:
     return pids
 
 
-def process_name(pid: int, proc: Path = Path("/proc")) -> str:
+def process_name(pid: int) -> str:
     """The process's name (vLLM renames its engine processes ``VLLM::...``); "" once gone."""
     try:
-        return (proc / str(pid) / "comm").read_text().strip()
+        return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
 
