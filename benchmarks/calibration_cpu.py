@@ -164,7 +164,7 @@ def served(model: str, mode: str, work: Path) -> Iterator[processes.Plan]:
             if running.process.api_server_cores:
                 continue  # placed by the deployment
             core = running.process.gpus[0] if running.process.gpus else CLIENT_CORE
-            for pid in cpupins.group_pids(running.pgid):
+            for pid in cpupins.session_processes(running.pgid):
                 cpupins.pin_threads(pid, (core,))
         os.sched_setaffinity(0, {CLIENT_CORE})
         yield plan

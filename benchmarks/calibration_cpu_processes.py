@@ -36,7 +36,7 @@ from calibration_cpu import (
 )
 
 from servematrix.calibration.probes import API_CPU_SERIES, parse_metrics
-from servematrix.deploy.cpupins import group_pids, pin_threads
+from servematrix.deploy.cpupins import pin_threads, session_processes
 
 STREAMS = (  # (rate req/s, input tokens, output tokens); rate 0: idle for STREAM_S
     (0.0, 128, 32),
@@ -144,13 +144,13 @@ def stream(url: str, pids: dict[int, str], rate: float, input_len: int, output_l
 
 
 def vllm_pids(base_url: str) -> list[int]:
-    """The processes of the API server listening on ``base_url``'s port (its process group)."""
+    """The processes of the API server listening on ``base_url``'s port (its session)."""
     port = base_url.rsplit(":", 1)[1].split("/")[0]
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             argv = (proc / "cmdline").read_bytes().split(b"\0")
             if b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
-                return group_pids(int(proc.name))
+                return list(session_processes(int(proc.name)))
     raise SystemExit(f"no vLLM server on port {port}")
 
 

@@ -15,14 +15,14 @@ import yaml
 from servematrix.backends import emulator
 from servematrix.backends import vllm as vllm_backend
 from servematrix.deploy import cpupins, gpulock, memory
-from servematrix.deploy.processes import Health, Plan, Process
+from servematrix.deploy.processes import Health, Process
 from servematrix.deploy.recipes import cpu_bind, plan
-from servematrix.deploy.supervise import DeployError, Deployment
+from servematrix.deploy.supervise import DeployError
 from servematrix.spec import config
 from servematrix.spec.matrix import ConfigError
 from servematrix.vllmcpu.tiny_model import VOCAB_SIZE
 from servematrix.workflow import check_config
-from tests.test_deploy_supervise import free_port
+from tests.test_deploy_supervise import _deployment, _plan, free_port
 
 EXAMPLE = config.SCHEMA_PATH.parent / "examples" / "vllm-cpu.yaml"
 
@@ -131,23 +131,18 @@ def _instance(port: int, **pins) -> Process:
     return Process("single", argv, {}, port, health, **pins)
 
 
-def _deployment(tmp_path, process: Process) -> Deployment:
-    plan = Plan("vllm", "v1", "m", "single", (process,), "http://127.0.0.1:1/v1", "test")
-    return Deployment(plan, tmp_path / "run", tmp_path / "logs", "127.0.0.1", 20, 3)
-
-
 def test_a_healthy_instance_moves_its_api_server_apart_and_its_engine_onto_its_pins(tmp_path):
     """Once the instance answers its health check, every thread of its API server is on
     ``api_server_cores`` and every thread of its engine core and worker on the instance's
     pins."""
     engine, api = sorted(os.sched_getaffinity(0))[:2]
     deployment = _deployment(
-        tmp_path, _instance(free_port(), gpus=(engine,), api_server_cores=(api,))
+        tmp_path, _plan(_instance(free_port(), gpus=(engine,), api_server_cores=(api,)))
     )
     try:
         deployment.start()
         (running,) = deployment.running
-        names = {pid: cpupins.process_name(pid) for pid in cpupins.group_pids(running.pgid)}
+        names = {pid: cpupins.process_name(pid) for pid in cpupins.session_processes(running.pgid)}
         assert sorted(names.values()) == sorted(
             ["VLLM::EngineCor", "VLLM::Worker", names[running.pgid]]
         )
@@ -198,7 +193,7 @@ def test_a_core_the_kernel_refuses_is_one_line_naming_the_field(tmp_path):
     """A core this machine does not have: the start fails with one line naming the instance and
     ``node.api_server_cores``, and nothing is left running."""
     beyond = max(os.sched_getaffinity(0)) + 1
-    deployment = _deployment(tmp_path, _instance(free_port(), api_server_cores=(beyond,)))
+    deployment = _deployment(tmp_path, _plan(_instance(free_port(), api_server_cores=(beyond,))))
     with pytest.raises(DeployError) as raised:
         deployment.start()
     assert str(raised.value).startswith(f"single: node.api_server_cores [{beyond}]: cannot run ")

@@ -27,12 +27,11 @@ def preflight(cfg: Config) -> None:
 
 def _check_hardware(cell: Cell, gpus: tuple[int, ...], kind: str) -> None:
     """The pinned GPUs exist (on a CPU node: the pinned cores are this process's)."""
-    from servematrix.deploy import gpulock
+    from servematrix.deploy import gpulock, recipes
 
     if kind == "cpu":
         gpulock.check_cores_allowed(f"models.{cell.model.name}.gpus", gpus)
-        api_server_cores = tuple((cell.deploy.get("node") or {}).get("api_server_cores") or ())
-        gpulock.check_cores_allowed("node.api_server_cores", api_server_cores)
+        gpulock.check_cores_allowed("node.api_server_cores", recipes.api_server_cores(cell))
     else:
         gpulock.check_gpus_exist(cell.model.name, gpus)
 

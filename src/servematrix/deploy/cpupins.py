@@ -24,17 +24,22 @@ class PinError(OSError):
     """A core the kernel refused (one line naming the field and the cores)."""
 
 
-def group_pids(pgid: int) -> list[int]:
-    """Every process of process group ``pgid`` (a deployment starts each instance as one)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
+def session_processes(session: int) -> dict[int, list[bytes]]:
+    """Every process of ``session`` (a deployment starts each process in one of its own, so
+    this is the instance's whole tree) with its ``/proc/<pid>/stat`` fields after the name
+    (index 0 is the state, 21 the resident pages)."""
+    found = {}
+    for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:
-                pids.append(int(entry.name))
-    return pids
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[3]) == session:  # field 6, the session id
+            found[int(entry.name)] = fields
+    return found
 
 
 def process_name(pid: int) -> str:
@@ -59,10 +64,10 @@ def pin_threads(pid: int, cores: tuple[int, ...], keep_inside: bool = False) -> 
                 os.sched_setaffinity(tid, cores)
 
 
-def place(pgid: int, engine_cores: tuple[int, ...], api_server_cores: tuple[int, ...]) -> None:
-    """The instance of process group ``pgid``: its API server on ``api_server_cores``, its
-    engine's processes on ``engine_cores``; PinError when the kernel refuses a core."""
-    for pid in group_pids(pgid):
+def place(session: int, engine_cores: tuple[int, ...], api_server_cores: tuple[int, ...]) -> None:
+    """The instance of ``session``: its API server on ``api_server_cores``, its engine's
+    processes on ``engine_cores``; PinError when the kernel refuses a core."""
+    for pid in session_processes(session):
         name = process_name(pid)
         engine = name.startswith(VLLM_PROCESS_PREFIX)
         cores = engine_cores if engine else api_server_cores

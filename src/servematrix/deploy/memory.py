@@ -57,6 +57,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from servematrix.deploy import cpupins
 from servematrix.deploy.processes import Plan
 
 if TYPE_CHECKING:
@@ -192,19 +193,8 @@ def process_groups(state: dict[str, Any]) -> dict[str, int]:
 def tree_rss_mib(session: int) -> float:
     """Resident memory (MiB) of every process in a session: a deployment's process runs in
     its own, so this is the instance's whole tree (vLLM's API server, EngineCore, Worker)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if int(fields[3]) == session:  # field 6, the session id
-            total += int(fields[21]) * page  # field 24, rss in pages
-    return total / MIB
+    pages = sum(int(fields[21]) for fields in cpupins.session_processes(session).values())
+    return pages * os.sysconf("SC_PAGE_SIZE") / MIB
 
 
 class _Sampler:

@@ -176,6 +176,11 @@ def node_kind(cell: Cell) -> str:
     return str((cell.deploy.get("node") or {}).get("kind", "gpu"))
 
 
+def api_server_cores(cell: Cell) -> tuple[int, ...]:
+    """A CPU node's ``node.api_server_cores`` (empty: unset, or a GPU node)."""
+    return tuple((cell.deploy.get("node") or {}).get("api_server_cores") or ())
+
+
 def cpu_bind(cores: tuple[int, ...], tensor_parallel: int) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for an instance's cores: ranges per tensor-parallel rank,
     ranks separated by ``|`` (vLLM's format, e.g. ``0-3|4-7``)."""
@@ -261,13 +266,10 @@ def _server(cell: Cell, emulated: bool, slot: Slot) -> Process:
         env[EMULATOR_KV_LINK_ENV] = json.dumps(dict(cell.engine["kv_link"]), sort_keys=True)
     if cell.serving.prefix_caching and recipe.prefix_cache_reset_env:
         env.update(recipe.prefix_cache_reset_env)
-    api_server_cores: tuple[int, ...] = ()
     if node_kind(cell) == "cpu":
         # vLLM's CPU build: the pins are cores, the KV cache is sized in GiB of host memory.
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(pins, tp)
         env["VLLM_CPU_KVCACHE_SPACE"] = _number(float(cell.deploy["node"]["kvcache_space_gib"]))
-        if not emulated:
-            api_server_cores = tuple(cell.deploy["node"].get("api_server_cores") or ())
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in pins)
     where = nodes.place(deploy, slot.node)
@@ -275,10 +277,11 @@ def _server(cell: Cell, emulated: bool, slot: Slot) -> Process:
         # The address vLLM advertises to its peers (the Mooncake side channel), not its guess.
         env["VLLM_HOST_IP"] = where.reach
     argv = _server_argv(recipe, cell, emulated, slot, where.bind)
+    api_cores = () if emulated else api_server_cores(cell)  # the emulator is one process
     health = Health(where.url(port) + "/health")
     bind = None if where.node is None else where.bind
     return Process(
-        slot.name, tuple(argv), env, port, health, pins, extra, bind, where.node, api_server_cores
+        slot.name, tuple(argv), env, port, health, pins, extra, bind, where.node, api_cores
     )
 
 

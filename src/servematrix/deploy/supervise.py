@@ -275,6 +275,7 @@ class Deployment:
                 if on_started is not None:
                     on_started(running)
                 self._wait_healthy(running)
+                self._place(running)
         except BaseException:
             self.stop()
             raise
@@ -311,11 +312,6 @@ class Deployment:
                     f"{running.tail()}"
                 )
             if healthy(process.health.url):
-                if process.api_server_cores and process.node is None:
-                    try:
-                        cpupins.place(running.pgid, process.gpus, process.api_server_cores)
-                    except cpupins.PinError as error:
-                        raise DeployError(f"{process.name}: {error}") from None
                 return
             if time.monotonic() > deadline:
                 raise DeployError(
@@ -324,6 +320,17 @@ class Deployment:
                     f"{running.log_path}):\n{running.tail()}"
                 )
             time.sleep(POLL_S)
+
+    @staticmethod
+    def _place(running: Running) -> None:
+        """A CPU node's instance, healthy (every process of it started): its API server onto
+        ``node.api_server_cores`` (`servematrix.deploy.cpupins`)."""
+        process = running.process
+        if process.api_server_cores and process.node is None:
+            try:
+                cpupins.place(running.pgid, process.gpus, process.api_server_cores)
+            except cpupins.PinError as error:
+                raise DeployError(f"{process.name}: {error}") from None
 
     def dead(self) -> Running | None:
         """The first process that has exited, if any."""
