@@ -11,7 +11,8 @@ envs, config) so the repository's own results/ is left alone:
    all`` against the finished run: every configured cell simulated again through Snakemake, its
    downstream left alone.
 
-Targets (issue 17): the first run under 45 s on 2 cores, the forced re-simulation under 15 s.
+Targets: the first run under a minute on 2 cores (issue 40; issue 17 had asked 45 s before
+capacity probes were steady-state runs), the forced re-simulation under 15 s (issue 17).
 Each step's job count is read from Snakemake's own "Job stats" table. ``--fingerprints PATH``
 writes a SHA-256 of every trace's records (all columns, row order kept; the file's run metadata,
 which holds wall-clock times and versions, left out), so two trees that write the same traces
@@ -43,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.workflow_helpers import copy_workflow, planned_jobs  # noqa: E402
 
-FIRST_RUN_TARGET_S = 45.0
+FIRST_RUN_TARGET_S = 60.0
 RESIMULATION_TARGET_S = 15.0
 CELL_RULES = ("cell", "simulate_cell")
 """The rules that write traces: a measured cell, and a simulated one (rules/cells.smk)."""

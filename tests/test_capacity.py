@@ -104,8 +104,11 @@ def test_a_deployment_search_writes_its_probes_as_cells_and_reuses_them(
     document = capacity_run.search_deployment(cells, cfg.slo, settings)
     probes = document["searches"][0]["probes"]
     assert all((tmp_path / p["trace"]).is_file() for p in probes)
-    # Each probe sends 60 s of arrivals at its rate, or the 5 x 100 + ramp a P99 needs.
-    assert all(p["requests"] == max(math.ceil(p["level"] * 60), 625) for p in probes)
+    # Each run of a probe sends 60 s of arrivals at its rate, or the 5 x 100 + ramp a P99
+    # needs; on the simulator a probe near its limit takes up to 5 runs (4 extra).
+    assert all(p["requests"] == p["runs"] * max(math.ceil(p["level"] * 60), 625) for p in probes)
+    assert document["extra_runs"] == capacity_run.SIMULATED_EXTRA_RUNS
+    assert any(p["runs"] > 1 for p in probes) and document["probe_runs"] > document["probes"]
     assert document["searches"][0]["scout_probes"]  # the first guess came from a scout
     assert document["load"] == "rate" and document["capacity_unit"] == "req/s"
     assert document["capacity"] > 0 and document["cost_per_mtok_usd"] > 0
@@ -244,7 +247,7 @@ def test_a_probe_near_its_limit_pools_extra_runs_with_fresh_seeds(
     monkeypatch.chdir(tmp_path)
     cfg = config.load(small_config)
     _, cells = next(iter(capacity_run.deployments(cfg.studies["disagg"].cells).items()))
-    settings = {**cfg.raw["capacity"], "max_probes": 12}
+    settings = {**cfg.raw["capacity"], "max_probes": 12, "extra_runs": 0}
     failing = capacity_run.search_deployment(cells, cfg.slo, settings)["searches"][0][
         "failing_level"
     ]
@@ -262,3 +265,24 @@ def test_a_probe_near_its_limit_pools_extra_runs_with_fresh_seeds(
     }
     far = capacity_run.probe_at(cells[0], failing / 4, cfg.slo, extra)
     assert far.runs == 1
+
+
+@pytest.mark.parametrize("edge", [0.37, 5.3, 41.0])
+def test_searches_from_other_guesses_meet_on_the_same_levels(edge):
+    """The grid: wherever a search starts and however it steps, a sharp edge gives one
+    capacity (a longer probe's search, a scout's guess or the simulator's find the same)."""
+    found = {
+        capacity.search(edge_probe(edge, []), guess, factor, max_probes=100).capacity
+        for guess in (0.05, 1.0, 4.9, 77.0)
+        for factor in (capacity.BLIND_FACTOR, capacity.WARM_FACTOR)
+    }
+    assert len(found) == 1
+
+
+@pytest.mark.parametrize("tolerance", [0.01, 0.02, 0.05, 0.2])
+def test_the_grids_neighbours_lie_within_the_tolerance(tolerance):
+    levels = [capacity.next_level(None, None, 10**x, 2.0, tolerance) for x in range(-2, 4)]
+    for level in levels:
+        above = capacity.next_level(level, None, level, 1.0, tolerance)
+        assert 0 < above / level - 1 <= tolerance
+        assert capacity.next_level(level, above, level, 1.0, tolerance) is None  # neighbours

@@ -142,25 +142,41 @@ def test_a_sessions_window_ends_at_the_last_session_to_arrive():
 
 
 def test_the_binding_check_and_its_noise_over_batches_of_the_window():
-    """TTFT drawn around 400 ms (P99 TTFT ≤ 500 ms binds, P99 TPOT at 20 of 50 ms does not):
-    the verdict names the P99 TTFT ratio and a batch-means standard error of it, which shrinks
-    as the run grows; a failure without an attainment leaves no finite edge to measure."""
+    """TTFT drawn around 380 ms (P99 TTFT ≤ 500 ms binds, P99 TPOT at 20 of 50 ms does not):
+    the verdict's edge is the share of TTFTs over 500 ms over the 1 % a P99 allows, with a
+    batch-means standard error of it, which shrinks as the run grows; a failure without an
+    attainment leaves no finite edge to measure."""
 
     def jittered(sent):
-        return np.random.default_rng(1).normal(0.3, 0.04, len(sent)).clip(0.01)
+        return np.random.default_rng(1).normal(0.38, 0.05, len(sent)).clip(0.01)
 
-    short = steady.judge(run(n=2000, ttft_s=jittered), SLO, tail_requests=10)
-    long = steady.judge(run(n=16000, ttft_s=jittered), SLO, tail_requests=10)
-    for verdict in (short, long):
-        assert verdict.met
-        ttft_p99 = np.percentile(jittered(np.zeros(16000)), 99) * 1000 / 500
-        assert verdict.edge_ratio == pytest.approx(ttft_p99, rel=0.05)
-        assert 0 < verdict.edge_se < 0.05
-    assert long.edge_se < short.edge_se
+    verdicts = {}
+    for n in (2000, 16000):
+        verdicts[n] = steady.judge(run(n=n, ttft_s=jittered), SLO, tail_requests=10)
+        window = jittered(np.zeros(n))[int(steady.RAMP_FRACTION * n) :]
+        assert verdicts[n].met and np.percentile(window, 99) < 0.5
+        assert verdicts[n].edge_ratio == pytest.approx(np.mean(window > 0.5) / 0.01)
+        assert 0.5 < verdicts[n].edge_ratio < 1
+        assert 0 < verdicts[n].edge_se < 0.5
+    assert verdicts[16000].edge_se < verdicts[2000].edge_se
     failing = steady.judge(run(fail_every=50), SLO, tail_requests=10)
     assert failing.edge_ratio == float("inf") and failing.edge_se is None
     too_few = steady.judge(run(n=400), SLO, tail_requests=1)  # batches of 40: no P99 in each
     assert too_few.edge_se is None
+
+
+def test_a_percentiles_edge_moves_with_the_share_beyond_it_not_the_percentile():
+    """A P99 set by a rare event: TPOT 20 ms, or 80 ms for a request that met one. The P99
+    jumps from 20 to 80 ms as the share meeting it passes 1 %; the edge rises with the share."""
+    edges = []
+    for every in (400, 200, 120, 80):
+        frame = run(n=20000)
+        slow = np.arange(frame.height) % every == 0
+        end = frame["end_s"].to_numpy() + np.where(slow, 0.06 * 5, 0.0)
+        verdict = steady.judge(frame.with_columns(end_s=end), SLO, tail_requests=10)
+        assert verdict.met == (1 / every <= 0.01)
+        edges.append(verdict.edge_ratio)
+    assert edges == pytest.approx([0.25, 0.5, 100 / 120, 1.25], rel=0.02)
 
 
 def test_runs_pooled_judge_their_windows_together():

@@ -5,9 +5,10 @@ concurrent users, or a session arrival rate. The search runs over levels, each p
 steady-state run at that level (``servematrix.capacity.run`` runs them,
 ``servematrix.results.steady`` judges them): bracket the capacity between a level that meets the SLO
 and one that does not, expanding from a first guess by a factor, then bisect until the bracket
-is within ``tolerance`` of the level or the probes run out. Levels are rounded to three
-significant figures, or to whole numbers on an integer axis (users), so a probe's cell path
-stays readable and a rerun lands on the same cells (cached like any cell). A measured search
+is within ``tolerance`` of the level or the probes run out. Rates lie on a fixed grid of
+levels (`next_level`), rounded to four significant figures, and users are whole numbers, so
+searches from different guesses meet on the same levels, a probe's cell path stays readable
+and a rerun lands on the same cells (cached like any cell). A measured search
 may start from the simulator's capacity with a small factor: a few probes around it instead
 of a blind bracket (``WARM_FACTOR``). The search stops at ``limit`` (a multiple of the
 deployment's physical ceiling where one is known): a search that met the SLO there found no
@@ -83,13 +84,13 @@ class Search:
 
 
 def round_level(level: float, integer: bool = False) -> float:
-    """Three significant figures (a probe's path names its level); whole numbers, at least
+    """Four significant figures (a probe's path names its level); whole numbers, at least
     one, on an integer axis."""
     if level <= 0:
         return 0.0
     if integer:
         return float(max(round(level), 1))
-    return float(f"{level:.3g}")
+    return float(f"{level:.4g}")
 
 
 def bracket(probes: Iterable[Probe]) -> tuple[float | None, float | None]:
@@ -98,6 +99,17 @@ def bracket(probes: Iterable[Probe]) -> tuple[float | None, float | None]:
     failing = min((p.level for p in probes if not p.met), default=None)
     passing = [p.level for p in probes if p.met and (failing is None or p.level < failing)]
     return max(passing, default=None), failing
+
+
+GRID_ROUNDING = 0.0011
+"""Neighbouring levels of the grid lie this much closer than the tolerance, so that rounded to
+four significant figures (up to 0.05 % each) they are still within it."""
+
+
+def grid_steps(tolerance: float) -> int:
+    """Levels per decade of the search's grid: the fewest whose neighbours lie within
+    ``tolerance`` of each other (49 for 5 %: 4.8 % apart)."""
+    return math.ceil(math.log(10) / math.log1p(tolerance - GRID_ROUNDING))
 
 
 def next_level(
@@ -109,17 +121,60 @@ def next_level(
     limit: float = MAX_LEVEL,
     integer: bool = False,
 ) -> float | None:
-    """The level to probe next, or None when the search is done."""
+    """The level to probe next, or None when the search is done.
+
+    A rate lives on a fixed grid, ``grid_steps(tolerance)`` levels per decade: the guess is
+    moved to its nearest level, the bracket widens by whole grid steps (about ``factor``) and
+    bisects grid steps, until its ends are neighbours. So two searches from different guesses
+    (a scout's, the simulator's, a longer probe's) probe the same levels near the edge, and
+    their capacities differ only where their probes' verdicts do. An integer axis (users)
+    bisects whole levels instead."""
     least = 1.0 if integer else MIN_LEVEL
+    if integer:
+        return _next_whole(lo, hi, guess, factor, tolerance, limit, least)
+    steps = grid_steps(tolerance)
     if lo is None and hi is None:
-        return round_level(max(min(guess, limit), least), integer)
+        return _grid_level(round(_grid_index(max(min(guess, limit), least), steps)), steps)
+    stride = max(round(steps * math.log10(factor)), 1)
     if hi is None:
-        return None if lo >= limit else round_level(min(lo * factor, limit), integer)
+        up = _grid_level(round(_grid_index(lo, steps)) + stride, steps)
+        return None if lo >= limit else min(up, round_level(limit))
     if lo is None:
-        return None if hi <= least else round_level(max(hi / factor, least), integer)
+        down = _grid_level(round(_grid_index(hi, steps)) - stride, steps)
+        return None if hi <= least else max(down, least)
+    mid = _grid_level(
+        math.floor((_grid_index(lo, steps) + _grid_index(hi, steps)) / 2 + 0.5), steps
+    )
+    return mid if lo < mid < hi and hi - lo > tolerance * lo else None
+
+
+def _grid_index(level: float, steps: int) -> float:
+    """Where a level lies on the grid, in steps from 1 (whole on the grid, up to rounding)."""
+    return steps * math.log10(level)
+
+
+def _grid_level(index: int, steps: int) -> float:
+    return round_level(10 ** (index / steps))
+
+
+def _next_whole(
+    lo: float | None,
+    hi: float | None,
+    guess: float,
+    factor: float,
+    tolerance: float,
+    limit: float,
+    least: float,
+) -> float | None:
+    if lo is None and hi is None:
+        return round_level(max(min(guess, limit), least), True)
+    if hi is None:
+        return None if lo >= limit else round_level(min(lo * factor, limit), True)
+    if lo is None:
+        return None if hi <= least else round_level(max(hi / factor, least), True)
     if hi - lo <= tolerance * lo:
         return None
-    mid = round_level((lo + hi) / 2, integer)
+    mid = round_level((lo + hi) / 2, True)
     return mid if lo < mid < hi else None
 
 
@@ -157,13 +212,13 @@ def edge_resolution(s: Search) -> float:
     """How sure one search is of where the SLO's edge lies, as a relative standard error of the
     level: the binding check's noise at the bracket (the larger standard error of its two
     probes) over how fast the check rises with the level there (the least-squares slope of
-    its ratio against log level over the probes near the bracket). 0 when the bracket is
-    sharp (the failing probe broke without a finite ratio: a request failed or the queue grew)
-    or its noise unknown; `EDGE_UNRESOLVED` when the check does not rise at all.
+    its edge, `Probe.edge_ratio`, against log level over the probes near the bracket). 0 when
+    the bracket is sharp (the failing probe broke without a finite edge: a request failed or
+    the queue grew) or its noise unknown; `EDGE_UNRESOLVED` when the check does not rise.
 
-    A P99 of short outputs can be nearly flat across a tenth of the rate (it moves in steps
-    with the number of prefills a request decodes across), so a bisection to ``tolerance``
-    would claim a precision the probes do not have; the interval says how wide it is."""
+    The share of requests beyond a P99's limit can rise slowly across a tenth of the rate
+    while its batches scatter, so a bisection to ``tolerance`` would claim a precision the
+    probes do not have; the interval says how wide it is."""
     if not s.capacity or s.failing is None:
         return 0.0
     ends = [p for p in s.probes if p.level in (s.capacity, s.failing)]

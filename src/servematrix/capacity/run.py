@@ -126,7 +126,7 @@ def probe_at(template: Cell, level: float, slo: Slo, settings: Mapping[str, Any]
     runs = [_sized_run(axis, template, level, slo, duration_s, tail)]
     shape = steady.shape_of(runs[0][0].to_dict()["workload"])
     verdict = steady.judge_runs([t for _, t in runs], slo, tail, shape)
-    while len(runs) <= extra_runs(settings) and near_flip(verdict):
+    while len(runs) <= extra_runs(settings, template) and near_flip(verdict):
         reseeded = _reseeded(template, len(runs))
         runs.append(_sized_run(axis, reseeded, level, slo, duration_s, tail))
         verdict = steady.judge_runs([t for _, t in runs], slo, tail, shape)
@@ -166,17 +166,25 @@ SEED_STRIDE = 1_000_003
 """Run k of a probe uses the workload's seed + k × this, far from any seed a study repeats."""
 
 
-def extra_runs(settings: Mapping[str, Any]) -> int:
-    """``capacity.extra_runs``: 0 unless the config asks. Each extra run of a probe costs what
-    the first did (``min_duration_s`` of wall time on a measured backend); on the default
-    config, 3 brings 31 of the 32 capacities within the tolerance of the ones from probes twice
-    as long (26 without), for twice the search's CPU (``benchmarks/capacity_search.py``)."""
-    return int(settings.get("extra_runs") or 0)
+SIMULATED_EXTRA_RUNS = 4
+"""``capacity.extra_runs`` when the config leaves it out, on the simulator (on a measured
+backend 0: each extra run costs what the first did, ``min_duration_s`` of wall time)."""
+
+
+def extra_runs(settings: Mapping[str, Any], cell: Cell) -> int:
+    """``capacity.extra_runs``, else `SIMULATED_EXTRA_RUNS` on the simulator and none on a
+    measured backend. On the default config 4 keeps every capacity within the tolerance of
+    the one from probes twice as long, for 2.4 times the search's CPU
+    (``benchmarks/capacity_search.py``)."""
+    configured = settings.get("extra_runs")
+    if configured is not None:
+        return int(configured)
+    return 0 if backend_of(cell.backend).MEASURED else SIMULATED_EXTRA_RUNS
 
 
 def near_flip(verdict: steady.Judgement | capacity.Probe) -> bool:
     """Whether the probe's binding check is within noise of its limit (a verdict another run
-    could turn); a check without a finite ratio or a noise estimate is never near."""
+    could turn); a check without a finite edge or a noise estimate is never near."""
     return (
         verdict.edge_se is not None
         and math.isfinite(verdict.edge_ratio)
@@ -327,6 +335,7 @@ def search_deployment(
         "limited": any(s.limited for s in searches.values()),
         "ceiling": ceiling,
         "min_duration_s": min_duration_s(first, settings),
+        "extra_runs": extra_runs(settings, first),
         "cost_per_mtok_usd": (
             capacity.cost_per_million_tokens(price, gpus, tokens.value)
             if price and tokens

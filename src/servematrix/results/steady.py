@@ -108,11 +108,12 @@ class Judgement:
     requests_per_s: float
     edge_ratio: float = math.inf
     edge_se: float | None = None
-    """The binding check (the SLO statistic or attainment furthest towards its limit) as a
-    ratio to its limit (> 1: broken; infinite when a request failed without an attainment or
-    the run was not steady), and that ratio's standard error over `BATCHES` batches of the
-    window (None when a batch is too small for the statistic): how sharply the probe says
-    where the SLO's edge is (`servematrix.capacity.edge_resolution`)."""
+    """The binding check (the check furthest towards its limit) as its `Check.edge` (> 1:
+    broken; for a percentile bound the share of requests over the limit over the share
+    allowed; infinite when a request failed without an attainment or the run was not
+    steady), and its standard error over `BATCHES` batches of the window (None when a batch
+    is too small for the statistic): how sharply the probe says where the SLO's edge is
+    (`servematrix.capacity.edge_resolution`, `servematrix.capacity.run.near_flip`)."""
 
 
 def measured_frame(table: pa.Table | pl.DataFrame) -> pl.DataFrame:
@@ -202,9 +203,9 @@ def judge_runs(
     state = next((s for s in states if not s.steady), None) or _pooled(states)
     over = _checks(window, slo, tail_requests)
     if not state.steady:
-        over.append((math.inf, state.reason))
-    ranked = sorted(over, key=lambda x: -x[0])
-    broken = tuple(label for ratio, label in ranked if not ratio <= 1)
+        over.append(Check(math.inf, state.reason, math.inf))
+    ranked = sorted(over, key=lambda c: -c.ratio)
+    broken = tuple(c.label for c in ranked if not c.ratio <= 1)
     done = [
         frame.filter(
             pl.col("success") & pl.col("end_s").is_between(w["sent_s"].min(), w["sent_s"].max())
@@ -213,15 +214,15 @@ def judge_runs(
     ]
     span_s = sum(s.window_s for s in states) if all(s.window_s > 0 for s in states) else math.inf
     tokens_per_s = sum(d["completion_tokens"].sum() for d in done) / span_s
-    edge_ratio, edge_label = ranked[0] if ranked else (0.0, "")
+    binding = max(over, key=lambda c: c.edge, default=Check(0.0, "", 0.0))
     return Judgement(
         not broken,
         broken,
         state,
         float(tokens_per_s),
         sum(d.height for d in done) / span_s,
-        float(edge_ratio),
-        _batch_se(window, slo, edge_label) if math.isfinite(edge_ratio) and ranked else None,
+        float(binding.edge),
+        _batch_se(window, slo, binding.label) if math.isfinite(binding.edge) and over else None,
     )
 
 
@@ -242,26 +243,43 @@ def _pooled(states: Sequence[Steadiness]) -> Steadiness:
     )
 
 
-def _checks(window: pl.DataFrame, slo: Slo, tail_requests: int) -> list[tuple[float, str]]:
-    """Every SLO check over the window as (its statistic over its limit, its label): the
-    bounds, the attainment, and without an attainment whether any request failed."""
+@dataclass(frozen=True)
+class Check:
+    """One SLO check over a window: ``ratio`` its statistic over its limit (> 1: broken),
+    ``label`` what to report, and ``edge`` how far it is towards its limit on a scale that
+    moves smoothly with the load (> 1: broken). For a percentile bound that is the share of
+    values over the limit, over the share the percentile allows (a P99 of TPOT ≤ 50 ms is
+    at most 1 % of TPOTs over 50 ms): the percentile itself can jump with the rate, when the
+    values beyond it are the few requests that met a rare event (a request decoding across a
+    prefill), while the share that met it grows with the rate. Otherwise ``edge`` is
+    ``ratio``."""
+
+    ratio: float
+    label: str
+    edge: float
+
+
+def _checks(window: pl.DataFrame, slo: Slo, tail_requests: int) -> list[Check]:
+    """Every SLO check over the window: the bounds, the attainment, and without an
+    attainment whether any request failed."""
     values = _per_request_s(window)
     over = [_bound_check(bound, values, window, tail_requests) for bound in slo.bounds]
     if slo.attainment is not None:
-        over.append((_attainment_shortfall(slo, values, slo.attainment), ATTAINMENT))
+        shortfall = _attainment_shortfall(slo, values, slo.attainment)
+        over.append(Check(shortfall, ATTAINMENT, shortfall))
     failed = window.height - int(window["success"].sum())
     if slo.attainment is None and failed:  # no share may fail: a failure meets no SLO
-        over.append((math.inf, FAILED))
+        over.append(Check(math.inf, FAILED, math.inf))
     return over
 
 
 def _batch_se(window: pl.DataFrame, slo: Slo, label: str) -> float | None:
-    """The standard error of the check ``label``'s ratio, from its spread over `BATCHES`
+    """The standard error of the check ``label``'s edge, from its spread over `BATCHES`
     consecutive batches of the window (each judged with one request beyond a percentile)."""
     size = window.height // BATCHES
     ratios = []
     for i in range(BATCHES):
-        batch = {lb: r for r, lb in _checks(window.slice(i * size, size), slo, 1)}
+        batch = {c.label: c.edge for c in _checks(window.slice(i * size, size), slo, 1)}
         ratio = batch.get(label, math.inf)
         if not math.isfinite(ratio):
             return None
@@ -293,8 +311,8 @@ def _per_request_s(window: pl.DataFrame) -> dict[str, np.ndarray]:
 
 def _bound_check(
     bound: Bound, values: Mapping[str, np.ndarray], window: pl.DataFrame, tail_requests: int
-) -> tuple[float, str]:
-    """The bound's statistic over its limit (> 1: broken) and the label to report."""
+) -> Check:
+    """The bound's `Check`."""
     if bound.metric in PER_REQUEST:
         sample = values[bound.metric]
         if bound.metric == "tpot":  # vLLM's TPOT list holds the multi-token requests only
@@ -309,8 +327,13 @@ def _bound_check(
     value_s = statistic_s(sample, bound.statistic, tail_requests)
     if value_s is None:
         needed = requests_needed(percentile_of(bound.statistic), tail_requests)
-        return math.inf, f"{bound.label} needs {needed} requests"
-    return value_s * 1000 / bound.max_ms, bound.label
+        return Check(math.inf, f"{bound.label} needs {needed} requests", math.inf)
+    ratio = value_s * 1000 / bound.max_ms
+    if bound.statistic == "mean":
+        return Check(ratio, bound.label, ratio)
+    allowed = 1 - percentile_of(bound.statistic) / 100
+    over = float(np.mean(sample > bound.max_ms / 1000))
+    return Check(ratio, bound.label, over / allowed)
 
 
 def percentile_of(statistic: str) -> float:
