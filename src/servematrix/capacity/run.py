@@ -108,11 +108,20 @@ def run_probe(cell: Cell) -> pa.Table:
     return table
 
 
-def min_duration_s(cell: Cell, settings: Mapping[str, Any]) -> float:
-    configured = settings.get("min_duration_s")
+def _setting(
+    settings: Mapping[str, Any], key: str, cell: Cell, measured: Any, simulated: Any
+) -> Any:
+    """``capacity.{key}`` as configured, else the default for the cell's backend."""
+    configured = settings.get(key)
     if configured is not None:
-        return float(configured)
-    return MEASURED_DURATION_S if backend_of(cell.backend).MEASURED else SIMULATED_DURATION_S
+        return configured
+    return measured if backend_of(cell.backend).MEASURED else simulated
+
+
+def min_duration_s(cell: Cell, settings: Mapping[str, Any]) -> float:
+    return float(
+        _setting(settings, "min_duration_s", cell, MEASURED_DURATION_S, SIMULATED_DURATION_S)
+    )
 
 
 def probe_at(template: Cell, level: float, slo: Slo, settings: Mapping[str, Any]) -> capacity.Probe:
@@ -126,7 +135,7 @@ def probe_at(template: Cell, level: float, slo: Slo, settings: Mapping[str, Any]
     runs = [_sized_run(axis, template, level, slo, duration_s, tail)]
     shape = steady.shape_of(runs[0][0].to_dict()["workload"])
     verdict = steady.judge_runs([t for _, t in runs], slo, tail, shape)
-    while len(runs) <= extra_runs(settings, template) and near_flip(verdict):
+    while len(runs) <= extra_runs(template, settings) and near_flip(verdict):
         reseeded = _reseeded(template, len(runs))
         runs.append(_sized_run(axis, reseeded, level, slo, duration_s, tail))
         verdict = steady.judge_runs([t for _, t in runs], slo, tail, shape)
@@ -171,15 +180,12 @@ SIMULATED_EXTRA_RUNS = 4
 backend 0: each extra run costs what the first did, ``min_duration_s`` of wall time)."""
 
 
-def extra_runs(settings: Mapping[str, Any], cell: Cell) -> int:
+def extra_runs(cell: Cell, settings: Mapping[str, Any]) -> int:
     """``capacity.extra_runs``, else `SIMULATED_EXTRA_RUNS` on the simulator and none on a
     measured backend. On the default config 4 keeps every capacity within the tolerance of
     the one from probes twice as long, for 2.4 times the search's CPU
-    (``benchmarks/capacity_search.py``)."""
-    configured = settings.get("extra_runs")
-    if configured is not None:
-        return int(configured)
-    return 0 if backend_of(cell.backend).MEASURED else SIMULATED_EXTRA_RUNS
+    (``benchmarks/capacity_search.py``; 4 was chosen on that same check)."""
+    return int(_setting(settings, "extra_runs", cell, 0, SIMULATED_EXTRA_RUNS))
 
 
 def near_flip(verdict: steady.Judgement | capacity.Probe) -> bool:
@@ -335,7 +341,7 @@ def search_deployment(
         "limited": any(s.limited for s in searches.values()),
         "ceiling": ceiling,
         "min_duration_s": min_duration_s(first, settings),
-        "extra_runs": extra_runs(settings, first),
+        "extra_runs": extra_runs(first, settings),
         "cost_per_mtok_usd": (
             capacity.cost_per_million_tokens(price, gpus, tokens.value)
             if price and tokens
