@@ -302,15 +302,42 @@ def test_measured_tables_neither_warn_nor_record_a_fallback(warned, caplog):
     assert caplog.records == []
 
 
-def test_an_unshipped_architecture_falls_back_and_says_so(warned, caplog):
-    caplog.set_level(logging.WARNING, logger="servematrix.engine.setup")
-    mine = dataclasses.replace(QWEN_7B, name="my-model", num_layers=7)
-    setup = _setup(A100, architecture=mine)
-    assert setup.step_time_fallback_record == {
-        "reason": "my-model is not a shipped architecture (the tables are built from shipped ones)",
-        "to": "roofline",
+def test_a_config_json_of_ones_own_gets_the_measured_tables(warned, tmp_path):
+    """Issue 42: a dense Llama-3.1-8B given by its config.json (no such model is shipped) runs
+    on aiconfigurator's H100 tables; a shipped model's file copied elsewhere gives the shipped
+    step times exactly."""
+    llama = {
+        "architectures": ["LlamaForCausalLM"],
+        **{"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32},
+        **{"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
+        **{"vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0},
     }
-    assert "my-model is not a shipped architecture" in caplog.records[0].getMessage()
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(llama))
+    setup = _setup("H100-SXM5-80GB", architecture=load_architecture(str(tmp_path / "llama")))
+    assert setup.step_time_fallback is None
+    assert setup.step_time_label.startswith("aiconfigurator-core ")
+    shipped = Path(aic_table.resolve_config_json("qwen2.5-7b"))
+    (tmp_path / "copy.json").write_text(shipped.read_text())
+    copy = _setup(A100, architecture=load_architecture(str(tmp_path / "copy.json")))
+    batch = StepBatch(((512, 1024),), (2048,) * 16)
+    assert copy.step_time.step_ms(batch) == _setup(A100).step_time.step_ms(batch)
+    assert copy.step_time_label == _setup(A100).step_time_label
+
+
+def test_dimensions_no_config_json_holds_fall_back_and_say_so(warned, caplog):
+    """The tables are built from the config.json behind the architecture's name; dimensions
+    that file does not hold (a name reused for another model) get the roofline."""
+    caplog.set_level(logging.WARNING, logger="servematrix.engine.setup")
+    mine = dataclasses.replace(QWEN_7B, num_layers=7)
+    setup = _setup(A100, architecture=mine)
+    reason = setup.step_time_fallback_record["reason"]
+    assert reason.endswith("qwen2.5-7b/config.json holds other dimensions than qwen2.5-7b's")
+    assert reason in caplog.records[0].getMessage()
+    unnamed = dataclasses.replace(QWEN_7B, name="my-model")
+    assert _setup(A100, architecture=unnamed).step_time_fallback.reason.startswith(
+        "no config.json to build its tables from (unknown architecture 'my-model'"
+    )
 
 
 def test_the_trace_metadata_records_the_fallback(warned, tmp_path):

@@ -21,6 +21,7 @@ from servematrix.engine.admission import ContextLengthError, granted_max_tokens
 from servematrix.engine.architecture import ARCHITECTURES_DIR
 from servematrix.engine.scheduler import Request
 from servematrix.engine.setup import build_engine_setup
+from servematrix.engine.steptime import StepBatch
 from tests.conftest import ROOT
 
 
@@ -124,20 +125,28 @@ def test_an_architecture_flag_wins_over_the_model_id(monkeypatch):
         resolve_model("x/y", None, "no/such.json")
 
 
-def test_unshipped_architecture_gets_the_roofline(tmp_path):
+def test_a_directory_of_ones_own_gets_the_tables_of_its_own_dimensions(tmp_path):
+    """aiconfigurator's tables are per operator shape: a config.json nobody shipped, of an
+    architecture it knows, gets them at its own dimensions; one it does not know, the roofline."""
     config = json.loads((ARCHITECTURES_DIR / "qwen2.5-7b" / "config.json").read_text())
     config["num_hidden_layers"] = 7
     (tmp_path / "config.json").write_text(json.dumps(config))
-    setup = build_engine_setup(
-        resolve_model(str(tmp_path), None).arch,
-        quantization="bf16",
-        tensor_parallel=1,
-        recipe="v1",
-        chunked_prefill=None,
-        max_model_len=4096,
-        gpu_memory_utilization=0.9,
-    )
-    assert setup.step_time_label.startswith("roofline")
+
+    def setup(arch):
+        settings = {"quantization": "bf16", "tensor_parallel": 1, "recipe": "v1"}
+        settings |= {"chunked_prefill": None, "max_model_len": 4096}
+        return build_engine_setup(arch, gpu_memory_utilization=0.9, **settings)
+
+    mine, shipped = setup(resolve_model(str(tmp_path), None).arch), setup("qwen2.5-7b")
+    assert mine.step_time_label == shipped.step_time_label
+    assert mine.step_time_label.startswith("aiconfigurator") and mine.step_time_fallback is None
+    decode = StepBatch((), (1024,) * 8)
+    assert 0.2 < mine.step_time.step_ms(decode) / shipped.step_time.step_ms(decode) < 0.35
+    config["architectures"] = ["GemmaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    gemma = setup(resolve_model(str(tmp_path), None).arch)
+    assert gemma.step_time_label.startswith("roofline (aiconfigurator rejects it: ")
+    assert "GemmaForCausalLM is not supported" in gemma.step_time_fallback.reason
 
 
 def _v1_max_tokens(prompt: int, max_tokens: int | None, limit: int, text: bool) -> int:

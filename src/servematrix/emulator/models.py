@@ -61,7 +61,7 @@ def resolve_model(
     try:
         path = resolve_config_json(model)
         config = json.loads(path.read_text())
-        arch = _shipped_equivalent(load_architecture_file(path, _label(model, path)))
+        arch = _shipped_equivalent(load_architecture_file(path, model))
     except (ArchitectureError, OSError, ValueError) as error:
         known = ", ".join(spec["hf_id"] for spec in _config_models().values())
         raise ModelError(
@@ -83,13 +83,9 @@ def _described(architecture: str, quantization: str) -> ModelInfo:
         raise ModelError(f"--architecture {architecture!r}: {error}") from None
 
 
-def _label(model: str, path: Path) -> str:
-    return model if path.parent.parent.name == "architectures" else path.parent.resolve().name
-
-
 def _shipped_equivalent(arch: Architecture) -> Architecture:
-    """The shipped architecture with the same dimensions, if any (its measured step-time
-    tables then apply), else ``arch`` itself."""
+    """The shipped architecture with the same dimensions, if any (the emulator then names it
+    as the simulator does), else ``arch`` itself."""
     for name in shipped():
         candidate = load_architecture(name)
         if vars(candidate) | {"name": ""} == vars(arch) | {"name": ""}:

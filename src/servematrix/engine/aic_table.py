@@ -49,7 +49,9 @@ import numpy as np
 from servematrix.common.files import cache_root
 from servematrix.engine.architecture import (
     Architecture,
+    ArchitectureError,
     load_architecture,
+    load_architecture_file,
     resolve_config_json,
 )
 from servematrix.engine.steptime import PlusSiblingDifference, StepBatch, StepTimeModel
@@ -194,7 +196,7 @@ def aic_query(arch: Architecture, gpu: str, tp: int, quantization: str) -> AicQu
         raise AicUnsupportedError("fp8 on A100 (no FP8 tensor cores; aiconfigurator has no data)")
     if quantization not in ("bf16", "fp8", *WEIGHT_ONLY):
         raise AicUnsupportedError(f"quantization {quantization!r} unknown to the table builder")
-    config = json.loads(resolve_config_json(arch.name).read_text())
+    config = _config_json(arch)
     approximations: list[str] = []
     if arch.hf_architecture in LLAMA_SHAPED | LLAMA_EXACT:
         config = llama_shaped(config)
@@ -218,6 +220,20 @@ def aic_query(arch: Architecture, gpu: str, tp: int, quantization: str) -> AicQu
             f"{quantization} as {mode} GEMM ratio from a100_sxm trtllm tables (approximation)"
         )
     return AicQuery(config, system, tp, quantization, tuple(approximations))
+
+
+def _config_json(arch: Architecture) -> dict[str, Any]:
+    """The ``config.json`` aiconfigurator builds ``arch``'s tables from: the file behind its
+    name, a shipped one or a user's (a path, a Hub id). Its tables are per operator shape, so
+    any architecture aiconfigurator knows gets them, whoever wrote the file."""
+    try:
+        path = resolve_config_json(arch.name)
+        held = load_architecture_file(path, arch.name)
+    except ArchitectureError as error:
+        raise AicUnsupportedError(f"no config.json to build its tables from ({error})") from None
+    if held != arch:
+        raise AicUnsupportedError(f"{path} holds other dimensions than {arch.name}'s")
+    return json.loads(path.read_text())
 
 
 @contextmanager
@@ -311,6 +327,8 @@ def build_table(query: AicQuery) -> StepTable:
     try:
         with _aic_logs_to_debug():
             return _query_grids(query)
+    except KeyError as error:
+        raise AicUnsupportedError(f"aiconfigurator needs {error} in config.json") from error
     except (AssertionError, ValueError, PerfDataNotAvailableError) as error:
         raise AicUnsupportedError(f"aiconfigurator rejects it: {error}".strip()) from error
 

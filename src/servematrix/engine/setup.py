@@ -18,10 +18,9 @@ import numpy as np
 from servematrix.engine.aic_table import (
     StepTimeChoice,
     StepTimeFallback,
-    roofline_fallback,
     select_step_time_model,
 )
-from servematrix.engine.architecture import Architecture, load_architecture, shipped
+from servematrix.engine.architecture import Architecture, load_architecture
 from servematrix.engine.attention import WithMixedStepKvReads, rereads_decode_kv
 from servematrix.engine.hardware import CPU_HOST, DEFAULT_GPU, GpuSpec, gpu_spec
 from servematrix.engine.host import NO_HOST_COST, HostCost, WithHostCost
@@ -401,12 +400,6 @@ def _gpu_step_time_model(
             graph_max_tokens=graph_max_tokens,
         )
 
-    if not _shipped(arch):
-        # aiconfigurator's tables are built from a shipped architecture's config.json.
-        return roofline_fallback(
-            roofline(arch, gpu, tp, quantization),
-            f"{arch.name} is not a shipped architecture (the tables are built from shipped ones)",
-        )
     choice = select_step_time_model(arch, gpu, tp, quantization, roofline=roofline)
     if choice.fallback is not None:
         return choice
@@ -420,9 +413,3 @@ def _gpu_step_time_model(
             f"{choice.label} + {', '.join(extras)}",
         )
     return choice
-
-
-def _shipped(arch: Architecture) -> bool:
-    """Whether ``arch`` is the shipped architecture of its name (a user's directory may reuse
-    a name with other dimensions)."""
-    return arch.name in shipped() and load_architecture(arch.name) == arch
