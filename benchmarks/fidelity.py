@@ -70,6 +70,7 @@ from fidelity_points import (
     ratio_text,
     write_points_csv,
 )
+from fidelity_tails import format_tails, spreads
 from fidelity_validation import (
     CHUNKED_BUDGET_V062,
     QWEN2_CALIBRATION_CSV,
@@ -536,6 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         blocks.append(format_breakdown(calibration, args.seeds, "CALIBRATION"))
         blocks.append(format_mape(calibration, "CALIBRATION"))
         blocks.append(format_knees([knee(sweep) for sweep in mooncake_sweeps(rows)]))
+        blocks.append(format_tails(spreads(calibration), args.seeds))
     if args.set in ("validation", "both"):
         runs = load_validation()
         validation, skipped = validation_points(runs, args.seeds)
@@ -547,6 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         blocks.append(format_without_e2e(validation))
         blocks.append(format_mape(validation, "VALIDATION"))
         blocks.append(format_knees([knee(sweep) for sweep in validation_sweeps(runs)]))
+        blocks.append(format_tails(spreads(validation), args.seeds))
         blocks.append(format_vs_blis([p for p in validation if p.metric in SERVE_METRICS]))
         blocks.append(format_goals(validation))
         blocks.append(format_cross_gpu(cross_gpu_ratios(runs, validation)))

@@ -330,7 +330,9 @@ def build_table(query: AicQuery) -> StepTable:
     except KeyError as error:
         raise AicUnsupportedError(f"aiconfigurator needs {error} in config.json") from error
     except (AssertionError, ValueError, PerfDataNotAvailableError) as error:
-        raise AicUnsupportedError(f"aiconfigurator rejects it: {error}".strip()) from error
+        # The database's message goes on with the lanes it tried and its install path.
+        why = str(error).split(": tried lane_order", 1)[0]
+        raise AicUnsupportedError(f"aiconfigurator rejects it: {why}".strip()) from error
 
 
 def _shared(handle: Any, tokens: int) -> float:
