@@ -99,6 +99,24 @@ def test_mixed_step_shares_gemms_like_aiconfigurator(tables, handles, tp):
 
 
 @pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize(
+    ("chunks", "new", "tolerance"), [(64, 128, ON_GRID), (16, 512, ON_GRID), (5, 300, OFF_GRID)]
+)
+def test_a_steps_prefill_chunks_share_one_attention_call(
+    tables, handles, tp, chunks, new, tolerance
+):
+    """vLLM runs one varlen attention call per layer over all of a step's prompts: n equal
+    chunks cost aiconfigurator's batched prefill (n prompts of ``new`` tokens), far less than n
+    chunks alone, whose fixed cost per call the table would otherwise count n times."""
+    batch = StepBatch(prefill_chunks=((new, 0),) * chunks)
+    expected = handles[tp].predict_prefill_latency(chunks, new, 0)
+    assert tables[tp].step_ms(batch) == pytest.approx(expected, rel=tolerance)
+    alone = tables[tp].parts_ms(prefill(new, 0)).prefill_attention_ms
+    together = tables[tp].parts_ms(batch).prefill_attention_ms
+    assert alone < together < chunks * alone / 2
+
+
+@pytest.mark.parametrize("tp", TPS)
 def test_roofline_within_30_percent(tables, tp):
     from servematrix.engine.hardware import gpu_spec
     from servematrix.engine.roofline import RooflineStepTime

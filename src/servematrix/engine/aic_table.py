@@ -16,10 +16,17 @@ A step is decomposed the way aiconfigurator's own ``mixed_step_breakdown`` does 
 - ``decode_extra(B, ctx)``: ``predict_decode_latency(B, ctx) - shared(B)`` (decode attention plus
   whatever the decode path adds), so a pure decode step reproduces aiconfigurator's decode exactly.
 
-A mixed step is ``shared(T) + Σ chunk_attn(c_i, p_i) + decode_extra(B, mean ctx)``: GEMMs are paid
-once for all tokens (a 1,024-token chunk with 32 decodes costs 63.5 ms on A100, against 60.0 + 12.0
-for separate steps). Summing per-chunk attention overestimates batched prefills slightly (two
-1,024-token prompts: 5.5 ms of attention vs 4.7 ms batched, < 1 % of the step).
+A mixed step is ``shared(T) + Σ (chunk_attn(c_i, p_i) - batch_saving(n, c_i)) + decode_extra(B,
+mean ctx)``: GEMMs are paid once for all tokens (a 1,024-token chunk with 32 decodes costs 63.5 ms
+on A100, against 60.0 + 12.0 for separate steps), and so is the attention call. vLLM runs one
+``flash_attn_varlen_func`` per layer over all of a step's prefill chunks (V1: over the whole batch,
+``engine/attention.py``; V0: over its prefills, the decodes in a call of their own), so the fixed
+cost of a call (launch, scheduling, about 2 ms over a 40-layer model on either card) is paid once
+per step, not once per chunk. ``batch_saving(n, c)`` is what a chunk of ``c`` new tokens costs less
+in a step of ``n`` such chunks than alone, from aiconfigurator's own batched context attention:
+``chunk_attn(c, 0) - (predict_prefill_latency(n, c, 0) - shared(n·c)) / n`` (Qwen3-14B on H100:
+64 chunks of 128 tokens take 9.0 ms of attention measured together, 140 ms summed one by one).
+Chunks of mixed sizes are each charged at the per-chunk cost of ``n`` chunks of their own size.
 
 Weight-only quantization (AWQ, GPTQ): aiconfigurator has no int4/int8 weight-only GEMM tables for
 vLLM. The only measured weight-only GEMMs it ships are TRT-LLM 1.0.0's on a100_sxm, so each GEMM op
@@ -59,7 +66,7 @@ from servematrix.engine.steptime import PlusSiblingDifference, StepBatch, StepTi
 logger = logging.getLogger(__name__)
 
 AIC_VERSION = version("aiconfigurator-core")
-TABLE_FORMAT = 2  # bump when the grids or the decomposition change: invalidates every cache entry
+TABLE_FORMAT = 3  # bump when the grids or the decomposition change: invalidates every cache entry
 
 SYSTEMS: dict[str, str] = {
     "A100-SXM4-80GB": "a100_sxm",
@@ -128,6 +135,11 @@ CHUNK_NEW = _grid(1, 32768, 4, dense_to=8)
 CHUNK_PAST = _grid(0, 65536, 3, dense_to=8)
 DECODE_BATCH = _grid(1, 1024, 6)
 DECODE_CONTEXT = _grid(1, 65536, 4, dense_to=8)
+CHUNK_BATCH = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256], dtype=np.int64)
+"""Prefill chunks per step of the batch table; a step of more is read at the last."""
+BATCH_TABLE_MAX_TOKENS = 32768
+"""The batch table's largest step (``n x c`` new tokens); beyond it a chunk size keeps the saving
+of the largest batch measured for it (a chunk's share of the call's fixed cost is small there)."""
 
 
 class AicUnsupportedError(ValueError):
@@ -154,7 +166,8 @@ class AicQuery:
 
     @property
     def cache_key(self) -> str:
-        grids = [g.tolist() for g in (TOKENS, CHUNK_NEW, CHUNK_PAST, DECODE_BATCH, DECODE_CONTEXT)]
+        grids = [TOKENS, CHUNK_NEW, CHUNK_PAST, DECODE_BATCH, DECODE_CONTEXT, CHUNK_BATCH]
+        grids = [g.tolist() for g in grids]
         payload = [TABLE_FORMAT, self.config, self.system, self.tp, self.quantization, AIC_VERSION]
         payload.append(grids)
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -289,6 +302,7 @@ class StepTable:
     shared_ms: np.ndarray  # over TOKENS
     chunk_attn_ms: np.ndarray  # CHUNK_NEW × CHUNK_PAST
     decode_extra_ms: np.ndarray  # DECODE_BATCH × DECODE_CONTEXT
+    chunk_batch_saving_ms: np.ndarray  # CHUNK_BATCH × CHUNK_NEW
     label: str
 
     def save(self, path: Path) -> None:
@@ -302,6 +316,7 @@ class StepTable:
                     shared_ms=self.shared_ms,
                     chunk_attn_ms=self.chunk_attn_ms,
                     decode_extra_ms=self.decode_extra_ms,
+                    chunk_batch_saving_ms=self.chunk_batch_saving_ms,
                     label=np.array(self.label),
                 )
             os.replace(tmp, path)
@@ -316,6 +331,7 @@ class StepTable:
                 data["shared_ms"],
                 data["chunk_attn_ms"],
                 data["decode_extra_ms"],
+                data["chunk_batch_saving_ms"],
                 str(data["label"]),
             )
 
@@ -375,7 +391,22 @@ def _query_grids(query: AicQuery) -> StepTable:
         )
     if query.weight_only_mode:
         shared = shared + _weight_only_delta(handle, query, query.weight_only_mode)
-    return StepTable(shared, chunk, decode, query.label)
+    saving = _batch_saving(handle, chunk[:, 0])
+    return StepTable(shared, chunk, decode, saving, query.label)
+
+
+def _batch_saving(handle: Any, alone_ms: np.ndarray) -> np.ndarray:
+    """``batch_saving(n, c)`` on CHUNK_BATCH × CHUNK_NEW (module docstring), from the chunks'
+    attention alone at no prefix (``alone_ms``, over CHUNK_NEW)."""
+    rows = [np.zeros(len(CHUNK_NEW))]
+    for n in CHUNK_BATCH[1:].tolist():
+        row = rows[-1].copy()
+        for j, c in enumerate(CHUNK_NEW.tolist()):
+            if n * c <= BATCH_TABLE_MAX_TOKENS:
+                together_ms = handle.predict_prefill_latency(n, c, 0) - _shared(handle, n * c)
+                row[j] = max(alone_ms[j] - together_ms / n, 0.0)
+        rows.append(row)
+    return np.array(rows)
 
 
 def cache_dir() -> Path:
@@ -455,6 +486,7 @@ class AicStepTime:
         )
         self._chunk_attn = _Bilinear(CHUNK_NEW, CHUNK_PAST, table.chunk_attn_ms)
         self._decode_extra = _Bilinear(DECODE_BATCH, DECODE_CONTEXT, table.decode_extra_ms)
+        self._batch_saving = _Bilinear(CHUNK_BATCH, CHUNK_NEW, table.chunk_batch_saving_ms)
 
     def _shared_ms(self, tokens: int) -> float:
         last = len(self._shared) - 1
@@ -470,9 +502,13 @@ class AicStepTime:
         """The step's three tabulated terms (module docstring); `step_ms` is their sum."""
         tokens = len(batch.decode_contexts)
         prefill_ms = 0.0
+        together = min(len(batch.prefill_chunks), int(CHUNK_BATCH[-1]))
         for new, past in batch.prefill_chunks:
             tokens += new
-            prefill_ms += self._chunk_attn(new, past)
+            chunk_ms = self._chunk_attn(new, past)
+            if together > 1:
+                chunk_ms = max(chunk_ms - self._batch_saving(together, new), 0.0)
+            prefill_ms += chunk_ms
         decode_ms = 0.0
         if batch.decode_contexts:
             size = len(batch.decode_contexts)
