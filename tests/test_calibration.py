@@ -14,7 +14,7 @@ import yaml
 
 from servematrix import cli
 from servematrix.backends import backend_of
-from servematrix.backends.cell import run_cell
+from servematrix.backends.cell import identity, run_cell
 from servematrix.calibration import cli as calibration_cli
 from servematrix.calibration.fit import FitError, fit_api_cpu, fit_terms
 from servematrix.calibration.probes import (
@@ -45,8 +45,12 @@ from servematrix.engine.profile import (
 from servematrix.engine.setup import build_engine_setup
 from servematrix.engine.steptime import StepBatch
 from servematrix.reporting import steptimes
+from servematrix.results import metrics
+from servematrix.simulate import simulate
 from servematrix.spec import config
 from servematrix.spec.config import load, read_yaml
+from servematrix.spec.matrix import MODES, Cell, ModelSpec, Serving, Workload
+from servematrix.spec.trace import to_table
 from tests.conftest import ROOT, SMALL_CONFIG
 
 TRUE = ProfileTerms(0.012, 6e-5, 4e-5, 9e-8, 0.004)
@@ -362,8 +366,9 @@ def test_a_cpu_hosts_profile_names_its_cpu_and_drives_a_cpu_engine(tmp_path):
 
 def test_a_cpu_hosts_measured_api_cpu_is_in_its_steps(tmp_path):
     """With the API server's CPU measured, a step on the shared core carries its outputs (one
-    message, a token per sequence) and the whole CPU of the requests it starts; the rest of
-    the request's latency (``per_request_api_s``) runs beside the engine."""
+    message, a token per sequence) and the whole CPU of the requests it starts; of the
+    request's API path (``per_request_api_s``) that CPU is the API server's serial work and
+    the rest latency beside it."""
     path = profile(tmp_path, gpu="cpu", host=cpu_model())
     write_profile(replace(read_profile(path), api_server_cpu=API), path)
     setup = setup_of(path, gpu="cpu")
@@ -371,7 +376,8 @@ def test_a_cpu_hosts_measured_api_cpu_is_in_its_steps(tmp_path):
     engine = 0.012 + 6e-5 * 150 + 4e-5 * 3 + 9e-8 * 400
     want = engine + API.per_step_s + API.per_output_token_s * 3 + API.per_request_s
     assert setup.step_time.step_ms(fresh) == pytest.approx(want * 1e3)
-    assert setup.host.request_ms == pytest.approx(TRUE.per_request_api_s * 1e3)
+    assert setup.host.request_ms == pytest.approx(API.per_request_s * 1e3)
+    assert setup.host.request_latency_ms == pytest.approx(1.0)  # 4 ms of path, 3 of them CPU
     assert "its measured CPU in the steps" in setup.step_time_label
 
 
@@ -387,7 +393,8 @@ def test_a_cpu_hosts_api_server_on_cores_of_its_own_works_beside_the_engine(tmp_
     engine = 0.012 + 6e-5 * 150 + 4e-5 * 3 + 9e-8 * 400
     apart = setup_of(path, gpu="cpu")
     assert apart.step_time.step_ms(fresh) == pytest.approx(engine * 1e3)
-    assert apart.host.request_ms == pytest.approx(TRUE.per_request_api_s * 1e3)
+    assert apart.host.request_ms == pytest.approx(API.per_request_s * 1e3)
+    assert apart.host.request_latency_ms == pytest.approx(1.0)
     assert apart.host.overlapped_per_seq_ms == pytest.approx(API.per_output_token_s * 1e3)
     assert "the API server on cores of its own" in apart.step_time_label
     shared = setup_of(path, gpu="cpu", api_server_apart=False)
@@ -395,6 +402,34 @@ def test_a_cpu_hosts_api_server_on_cores_of_its_own_works_beside_the_engine(tmp_
     assert "the API server on the engine's cores" in shared.step_time_label
     on_core = profile(tmp_path, gpu="cpu", host=cpu_model())
     assert "cores of its own" in setup_of(on_core, gpu="cpu", api_server_apart=True).step_time_label
+
+
+def test_a_profiles_api_path_delays_each_request_but_queues_only_its_cpu(tmp_path):
+    """Of the 4 ms a request's first token took beyond the engine (``per_request_api_s``), the
+    API server's measured 3 ms of CPU are its serial work and 1 ms latency beside it: a request
+    alone sees all 4 ms either way; a burst of short requests, which the API server meters, is
+    served at one request per 3 ms where an older profile (no CPU measured) queued all 4."""
+    older = profile(tmp_path / "older")
+    measured = profile(tmp_path / "measured")
+    write_profile(replace(read_profile(measured), api_server_cpu=API), measured)
+
+    def run(path: Path, qps: float, prompts: int):
+        cell = Cell(
+            backend="simulator",
+            recipe="v1",
+            model=ModelSpec("Qwen2.5-7B", "Qwen/Qwen2.5-7B", "qwen2.5-7b", "bf16", 1, ((0,),)),
+            mode=MODES["single"],
+            workload=Workload(qps, 8, 2, prompts, 0, "random", 1.0, 1),
+            serving=Serving(4096, 0.9),
+            engine={"gpu": "L40S-48GB", "jitter_cv": 0.0, "profile": str(path)},
+        )
+        return metrics.compute(to_table(identity(cell), simulate(cell).records, {}))
+
+    alone = [run(path, 1.0, 3).mean_ttft_ms for path in (older, measured)]
+    assert alone[0] == pytest.approx(alone[1], rel=1e-9)
+    burst = [run(path, float("inf"), 400).request_throughput for path in (older, measured)]
+    assert burst[0] == pytest.approx(1e3 / 4.0, rel=0.03)
+    assert burst[1] == pytest.approx(1e3 / (3.0 + 2 * API.per_output_token_s * 1e3), rel=0.03)
 
 
 def test_calibrate_takes_the_api_servers_cpu_out_only_on_the_engines_cores():

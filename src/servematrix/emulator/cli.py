@@ -383,6 +383,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ),
         text_counter=TokenCounter.for_model(args.model),
         api_request_ms=setup.host.request_ms,
+        request_latency_ms=setup.host.request_latency_ms,
         vocab_size=setup.arch.vocab_size,
     )
     # Start-up objects (the step-time tables, the model) leave the collector's generations: a

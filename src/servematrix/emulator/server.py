@@ -16,6 +16,7 @@ exact continuous usage. Emulator-only routes, under ``/servematrix/`` (no vLLM h
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -74,6 +75,9 @@ class ServerSettings:
     """The API server's serial work per request (``HostCost.request_ms``): the engine queues
     requests through it, except one arriving with its prompt's KV (a KV consumer's), on whose
     path to the engine it is added, as in the simulator."""
+    request_latency_ms: float = 0.0
+    """Latency on every request's way in beside that work (``HostCost.request_latency_ms``): the
+    request reaches the engine that much later, as in the simulator."""
     vocab_size: int | None = None
     """The model's vocabulary: a prompt id beyond it gets vLLM's 400 (None: not checked)."""
     empty_text_fraction: float = EMPTY_TEXT_FRACTION
@@ -223,6 +227,10 @@ class Emulator:
         log.kv_transfer_params = body.get("kv_transfer_params")
         if self.engine.can_ever_admit(prompt_tokens):
             covered: dict[str, Any] = {}  # how a KV consumer's prompt is covered
+            latency_s = self.settings.request_latency_ms * 1e-3
+            if latency_s:
+                await asyncio.sleep(max(arrival_s + latency_s - time.monotonic(), 0.0))
+                arrival_s += latency_s
             if self.kv is not None:
                 api_path_s = self.settings.api_request_ms * 1e-3
                 try:

@@ -34,8 +34,10 @@ from servematrix.engine.kvcache import (
     plan_kv_memory,
 )
 from servematrix.engine.profile import (
+    ApiServerCpu,
     ProfileError,
     ProfileStepTime,
+    ProfileTerms,
     SharedCoreStepTime,
     read_profile,
     scaled_terms,
@@ -361,15 +363,14 @@ def profile_step_time(arch: Architecture, flags: EngineFlags) -> StepTimeChoice:
     label = f"profile {path} ({source.method} on {source.host or source.gpu}, {source.model}, "
     label += source.date
     label += f"; {scaling})" if scaling else ")"
-    cost = HostCost(0.0, 0.0, request_ms=terms.per_request_api_s * 1e3)
     api = profile.api_server_cpu
+    cost = api_path(terms, api)
     apart = source.api_server_apart if flags.api_server_apart is None else flags.api_server_apart
     if flags.gpu == CPU_HOST and not apart:
         label += ", the API server on the engine's cores"
         if api is None:
             return StepTimeChoice(SharedCoreStepTime(terms), label)
         label += " (its measured CPU in the steps)"
-        # The request's latency left after its CPU (charged in the step) runs beside.
         return StepTimeChoice(WithHostCost(SharedCoreStepTime(terms, api), cost), label)
     if flags.gpu == CPU_HOST:
         label += ", the API server on cores of its own"
@@ -377,6 +378,19 @@ def profile_step_time(arch: Architecture, flags: EngineFlags) -> StepTimeChoice:
             # It streams every step's tokens beside the engine: past its core, it paces them.
             cost = replace(cost, overlapped_per_seq_ms=api.per_output_token_s * 1e3)
     return StepTimeChoice(WithHostCost(ProfileStepTime(terms), cost), label)
+
+
+def api_path(terms: ProfileTerms, api: ApiServerCpu | None) -> HostCost:
+    """A profile's API path (``per_request_api_s``: how much longer the probes' first tokens
+    took than the engine's steps). With the API server's CPU measured, only that CPU per
+    request is serial work, queued request after request; the rest is latency beside it (the
+    HTTP exchange, the hand-offs to and from the engine), which delays each request but
+    occupies no turn of the API server. Without it (an older profile), all of it is serial."""
+    path_ms = terms.per_request_api_s * 1e3
+    if api is None:
+        return HostCost(0.0, 0.0, request_ms=path_ms)
+    serial_ms = min(api.per_request_s * 1e3, path_ms)
+    return HostCost(0.0, 0.0, request_ms=serial_ms, request_latency_ms=path_ms - serial_ms)
 
 
 def _gpu_step_time_model(

@@ -187,7 +187,8 @@ def _simulate(
             records = driver.run(sends)
     else:
         hop = NO_PROXY if topology.instances == 1 else ProxyHop()
-        driver = RoundRobin(cell, instances, hop, lengths, served, turns)
+        latency_s = setup.host.request_latency_ms * 1e-3
+        driver = RoundRobin(cell, instances, hop, lengths, served, turns, latency_s)
         records = driver.run(sends)
     parameters = _parameters(cell, setup, driver)
     if counter is not None:

@@ -104,10 +104,12 @@ class Disaggregated(V0Handoff, V1Handoff):
         self.hop = hop = ProxyHop()
         # 1-token response + new request through the decode instance's API server, its serial
         # input work included (the request reaches that engine with its KV, past its queue)
-        to_decoder_ms = 2 * hop.request_ms + setup.host.request_ms
+        # (plus each server's latency on the way in: HostCost.request_latency_ms)
+        latency_ms = setup.host.request_latency_ms
+        to_decoder_ms = 2 * hop.request_ms + setup.host.request_ms + latency_ms
         self._decode_hop_s = to_decoder_ms * 1e-3
         self._chunk_hop_s = hop.chunk_ms * 1e-3
-        self._hop_in_s = hop.request_ms * 1e-3
+        self._hop_in_s = (hop.request_ms + latency_ms) * 1e-3
 
     def _set_transfer(self, cell: Cell, setup: EngineSetup, served: Served) -> None:
         """The KV link and buffer, and per request id its sizes and V0 receive times

@@ -53,10 +53,13 @@ class RoundRobin:
         lengths: RequestLengths,
         served: Served,
         turns: list[Turn] | None = None,
+        request_latency_s: float = 0.0,
     ):
         self.cell = cell
         self.instances = instances
         self.hop = hop
+        self.request_latency_s = request_latency_s
+        """The instances' own latency on a request's way in (``HostCost.request_latency_ms``)."""
         self.lengths = lengths
         self.requests = Requests(lengths, served)
         self.turns = turns
@@ -74,7 +77,7 @@ class RoundRobin:
         n_inst = len(self.instances)
         total = w.warmup_requests + w.num_prompts
         chunks: list[list[float]] = [[] for _ in range(total)]
-        hop_in = self.hop.request_ms * 1e-3
+        hop_in = self.hop.request_ms * 1e-3 + self.request_latency_s
         hop_out = self.hop.chunk_ms * 1e-3
         targets = round_robin_targets(total, n_inst)
         make, refused = self.requests.new, self.requests.refused
