@@ -127,6 +127,18 @@ def test_the_design_is_short_and_bounded_by_the_server():
     assert all(p.prompt_tokens + p.output_tokens <= 600 and p.concurrency <= 8 for p in small)
 
 
+def test_the_decode_probes_alone_tell_the_api_servers_terms_apart():
+    """Per run of a decode probe the API server serves b requests, streams b × out tokens and
+    takes in about out steps' outputs: with two output lengths those columns (and the
+    constant per run) are independent, so the fit does not rest on the lone prefills, whose
+    few milliseconds of CPU are below the counter's 10 ms ticks."""
+    decodes = [p for p in design(4096) if p.kind == "decode"]
+    columns = np.array(
+        [(1.0, p.concurrency, p.concurrency * p.output_tokens, p.output_tokens) for p in decodes]
+    )
+    assert np.linalg.matrix_rank(columns) == 4
+
+
 def test_a_decode_probe_times_the_steps_all_requests_share():
     # Three requests, first tokens at 1.0-1.2 s, then a step every 10 ms.
     streams = [
@@ -396,6 +408,7 @@ def test_a_cpu_hosts_api_server_on_cores_of_its_own_works_beside_the_engine(tmp_
     assert apart.host.request_ms == pytest.approx(API.per_request_s * 1e3)
     assert apart.host.request_latency_ms == pytest.approx(1.0)
     assert apart.host.overlapped_per_seq_ms == pytest.approx(API.per_output_token_s * 1e3)
+    assert apart.host.overlapped_step_ms == pytest.approx(API.per_step_s * 1e3)
     assert "the API server on cores of its own" in apart.step_time_label
     shared = setup_of(path, gpu="cpu", api_server_apart=False)
     assert shared.step_time.step_ms(fresh) > apart.step_time.step_ms(fresh)

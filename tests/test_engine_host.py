@@ -36,6 +36,16 @@ def test_work_beside_the_step_only_counts_when_it_outlasts_the_step() -> None:
     assert model.step_ms(StepBatch(((64, 0),), (100,) * 199)) == pytest.approx(20.0)
 
 
+def test_work_beside_every_step_adds_to_its_work_per_request() -> None:
+    """A CPU node's API server takes in one output message a step, whatever its size
+    (``overlapped_step_ms``), beside its work on each request's token."""
+    cost = HostCost(step_ms=1.0, per_seq_ms=0.0, overlapped_step_ms=4.0, overlapped_per_seq_ms=0.1)
+    model = WithHostCost(FixedStep(), cost)
+    assert model.step_ms(StepBatch((), (100,) * 50)) == pytest.approx(11.0)  # 9 ms beside
+    assert model.step_ms(StepBatch((), (100,) * 200)) == pytest.approx(24.0)  # 24 ms beside
+    assert "step >= 4 ms + 100 us/request beside it" in cost.label
+
+
 def test_negative_cost_is_refused() -> None:
     with pytest.raises(ValueError, match="host cost must be >= 0"):
         HostCost(step_ms=-1.0, per_seq_ms=0.0)

@@ -77,7 +77,9 @@ def test_decode_run_with_no_time_before_the_horizon_is_left_to_step():
     assert len(inst.decode_run(1.0).step_ends_s) > 1
 
 
-def fronted(api_request_ms: float, api_token_ms: float = 0.0) -> EngineInstance:
+def fronted(
+    api_request_ms: float, api_token_ms: float = 0.0, api_step_ms: float = 0.0
+) -> EngineInstance:
     """An instance with an API server in front (LinearStepTime, no jitter)."""
     config = scheduler_config("v1", True, 10_000, "A100-SXM4-80GB")
     return EngineInstance(
@@ -86,6 +88,7 @@ def fronted(api_request_ms: float, api_token_ms: float = 0.0) -> EngineInstance:
         Jitter(0.0, 1),
         api_request_ms=api_request_ms,
         api_token_ms=api_token_ms,
+        api_step_ms=api_step_ms,
     )
 
 
@@ -158,8 +161,8 @@ def test_decode_runs_hand_requests_over_as_single_steps_do():
 
 
 def test_streaming_tokens_leaves_the_api_server_less_time_for_new_requests():
-    def handed_over(api_token_ms: float) -> int:
-        inst = fronted(4.0, api_token_ms)
+    def handed_over(api_token_ms: float, api_step_ms: float = 0.0) -> int:
+        inst = fronted(4.0, api_token_ms, api_step_ms)
         for k in range(40):
             inst.add_request(Request(k, 1, 50))
         inst.step()  # request 0's 1-token prompt, 11 ms: two more get in
@@ -168,6 +171,8 @@ def test_streaming_tokens_leaves_the_api_server_less_time_for_new_requests():
         return len(inst.scheduler.running) + len(inst.scheduler.waiting)
 
     assert handed_over(0.0) > handed_over(1.0)
+    # the step's one output message takes the API server's time whatever the batch's size
+    assert handed_over(0.0) > handed_over(0.0, api_step_ms=5.0)
 
 
 def test_a_decode_run_ends_with_the_step_that_hands_a_request_over():

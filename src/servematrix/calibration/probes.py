@@ -32,11 +32,13 @@ from dataclasses import dataclass
 
 PREFILL_LENGTHS = (128, 512, 1024, 2048)
 DECODE_BATCHES = (1, 4, 16, 32)
-DECODE_CONTEXTS = (256, 1024)
+DECODE_RUNS = ((256, 32), (1024, 64))
+"""(prompt, output tokens) of the decode probes: two output lengths, so the API server's CPU
+per request and per streamed token are told apart (with one, a decode probe's tokens are its
+requests times that length, and the two move together)."""
 MIXED = ((8, 512, 1024), (16, 256, 2048))
 """(decoding requests, their prompt, the newcomer's prompt) of the mixed probes."""
 PREFILL_OUTPUT = 8
-DECODE_OUTPUT = 32
 MIXED_OUTPUT = 48
 
 
@@ -108,10 +110,10 @@ def design(max_model_len: int, max_num_seqs: int = 256) -> list[Probe]:
         if n + PREFILL_OUTPUT <= max_model_len
     ]
     probes += [
-        Probe("decode", c, b, DECODE_OUTPUT)
-        for c in DECODE_CONTEXTS
+        Probe("decode", c, b, out)
+        for c, out in DECODE_RUNS
         for b in DECODE_BATCHES
-        if c + DECODE_OUTPUT <= max_model_len and b <= max_num_seqs
+        if c + out <= max_model_len and b <= max_num_seqs
     ]
     probes += [
         Probe("mixed", c, b, MIXED_OUTPUT, n)

@@ -44,5 +44,5 @@ class WithHostCost:
         cost = self.cost
         requests = len(batch.prefill_chunks) + len(batch.decode_contexts)
         critical_ms = self.model.step_ms(batch) + cost.step_ms + cost.per_seq_ms * requests
-        beside_ms = cost.overlapped_per_seq_ms * requests
+        beside_ms = cost.overlapped_step_ms + cost.overlapped_per_seq_ms * requests
         return critical_ms if critical_ms >= beside_ms else beside_ms

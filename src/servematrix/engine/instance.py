@@ -117,9 +117,10 @@ class EngineInstance:
     With ``api_request_ms`` > 0 the instance has an API server in front of its engine, one
     process doing each request's input work (parse, validate, tokenise) in arrival order, so a
     request reaches the scheduler only after its turn. The API server works while the engine
-    steps, in the time the step leaves it after streaming the step's tokens (``api_token_ms``
-    per request in the step, the part of the step-time model's host cost that runs beside the
-    engine): a request it finishes during a step joins the next one. A request that reaches an
+    steps, in the time the step leaves it after taking in the step's output (``api_step_ms``)
+    and streaming its tokens (``api_token_ms`` per request in the step): the part of the
+    step-time model's host cost that runs beside the engine. A request it finishes during a
+    step joins the next one. A request that reaches an
     API server with nothing left to do starts at once: ``add_request``'s ``waited_ms`` (how
     long before the next step it arrived) counts, up to the time the API server was idle at the
     end of the last step, so it joins the next step when that covers its input work, as in
@@ -133,14 +134,16 @@ class EngineInstance:
         jitter: Jitter,
         api_request_ms: float = 0.0,
         api_token_ms: float = 0.0,
+        api_step_ms: float = 0.0,
     ):
-        if api_request_ms < 0 or api_token_ms < 0:
+        if min(api_request_ms, api_token_ms, api_step_ms) < 0:
             raise ValueError("API server costs must be >= 0")
         self.scheduler = scheduler
         self.step_time = step_time
         self.jitter = jitter
         self.api_request_ms = api_request_ms
         self.api_token_ms = api_token_ms
+        self.api_step_ms = api_step_ms
         self._inbox: deque[Request] = deque()  # requests the API server has not handed over
         self._inbox_done_ms = 0.0  # API work already spent on the inbox's first request
         self._api_idle_ms = 0.0  # the API server's idle time at the end of the last step
@@ -210,7 +213,7 @@ class EngineInstance:
         # With requests in the API server, the run ends with the step during which it hands
         # the next one over (that request joins the step after), as single steps would.
         inbox = bool(self._inbox)
-        streaming_ms = self.api_token_ms * len(requests)
+        streaming_ms = self.api_step_ms + self.api_token_ms * len(requests)
         api_left_ms = self.api_request_ms - self._inbox_done_ms
         spare_ms = 0.0
         for offset, factor in enumerate(self.jitter.peek(max_steps)):
@@ -280,7 +283,7 @@ class EngineInstance:
         emitted, finished = scheduler.complete(scheduled)
         self.steps += 1
         duration_ms = base_ms * self.jitter.factor() + receive_ms
-        spare_ms = duration_ms - self.api_token_ms * len(scheduled.requests)
+        spare_ms = duration_ms - self.api_step_ms - self.api_token_ms * len(scheduled.requests)
         if self._inbox:
             self._hand_over(spare_ms)
         else:

@@ -114,6 +114,7 @@ class EngineSetup:
             ),
             api_request_ms=host.request_ms,
             api_token_ms=host.overlapped_per_seq_ms,
+            api_step_ms=host.overlapped_step_ms,
         )
 
 
@@ -376,7 +377,11 @@ def profile_step_time(arch: Architecture, flags: EngineFlags) -> StepTimeChoice:
         label += ", the API server on cores of its own"
         if api is not None:
             # It streams every step's tokens beside the engine: past its core, it paces them.
-            cost = replace(cost, overlapped_per_seq_ms=api.per_output_token_s * 1e3)
+            cost = replace(
+                cost,
+                overlapped_step_ms=api.per_step_s * 1e3,
+                overlapped_per_seq_ms=api.per_output_token_s * 1e3,
+            )
     return StepTimeChoice(WithHostCost(ProfileStepTime(terms), cost), label)
 
 

@@ -29,6 +29,10 @@ class HostCost:
     request_ms: float = 0.0
     """The API server's serial work per request before the engine sees it (parse, validate,
     tokenise, hand over); ``EngineInstance`` queues requests through it."""
+    overlapped_step_ms: float = 0.0
+    """Work beside each step whatever its size (a CPU node's API server takes in the step's one
+    output message): with ``overlapped_per_seq_ms`` × requests, what the step cannot be shorter
+    than."""
     request_latency_ms: float = 0.0
     """Time on a request's path that occupies no process's turn (the HTTP exchange, the hand-offs
     between the API server and the engine): added to the path, never queued behind other
@@ -44,8 +48,11 @@ class HostCost:
         parts = [f"{self.step_ms:.3g} ms/step"]
         if self.per_seq_ms:
             parts.append(f"{self.per_seq_ms * 1e3:.3g} us/request")
-        if self.overlapped_per_seq_ms:
-            parts.append(f"step >= {self.overlapped_per_seq_ms * 1e3:.3g} us/request beside it")
+        if self.overlapped_per_seq_ms or self.overlapped_step_ms:
+            beside = f"{self.overlapped_per_seq_ms * 1e3:.3g} us/request"
+            if self.overlapped_step_ms:
+                beside = f"{self.overlapped_step_ms:.3g} ms + {beside}"
+            parts.append(f"step >= {beside} beside it")
         if self.request_ms:
             parts.append(f"API server {self.request_ms:.3g} ms/request")
         if self.request_latency_ms:
