@@ -28,7 +28,7 @@ from servematrix.calibration.probes import (
     parse_metrics,
     server_observations,
 )
-from servematrix.calibration.run import ServerInfo
+from servematrix.calibration.run import ServerInfo, run_order
 from servematrix.deploy.recipes import emulator_flags
 from servematrix.emulator.cli import build_parser
 from servematrix.engine.hardware import cpu_model
@@ -125,6 +125,17 @@ def test_the_design_is_short_and_bounded_by_the_server():
     assert len(probes) <= 16
     small = design(600, max_num_seqs=8)
     assert all(p.prompt_tokens + p.output_tokens <= 600 and p.concurrency <= 8 for p in small)
+
+
+def test_the_probes_run_in_rounds_each_shuffled_so_a_drift_shifts_every_term_alike():
+    probes = design(4096)
+    order = run_order(probes, 3, seed=0)
+    rounds = [[p for r, p in order if r == k] for k in range(3)]
+    assert [r for r, _ in order] == sorted(r for r, _ in order)  # round after round
+    assert all(sorted(r, key=probes.index) == probes for r in rounds)  # every probe once each
+    assert len({tuple(p.name for p in r) for r in rounds}) == 3  # each in its own order
+    assert rounds[0] != probes  # not kind after kind
+    assert run_order(probes, 3, seed=0) == order
 
 
 def test_the_decode_probes_alone_tell_the_api_servers_terms_apart():

@@ -1,9 +1,10 @@
 """Run the probe set against a live OpenAI-compatible server and collect its observations.
 
 Every prompt is fresh random token ids (seeded), so no probe finds another's prefix in the
-server's cache; a warm-up request goes first, unmeasured. Each probe runs ``repeats`` times,
-one at a time, and ``/metrics`` is read around each run (`probes.server_observations`, and the
-API server's CPU over the run, `probes.api_cpu_observation`).
+server's cache; a warm-up request goes first, unmeasured. The set runs ``repeats`` rounds, every
+probe once a round in the round's own shuffled order (`run_order`), one run at a time, and
+``/metrics`` is read around each run (`probes.server_observations`, and the API server's CPU over
+the run, `probes.api_cpu_observation`).
 """
 
 from __future__ import annotations
@@ -139,6 +140,20 @@ async def server_info(settings: Settings, session: aiohttp.ClientSession) -> Ser
     return ServerInfo(version, "vllm:request_prefill_time_seconds_count" in metrics)
 
 
+def run_order(probes: list[Probe], repeats: int, seed: int) -> list[tuple[int, Probe]]:
+    """(round, probe) in the order they run: ``repeats`` rounds of every probe, each round
+    shuffled by its own seed. A machine whose speed drifts during a calibration (this project's
+    2-core VM: 8 % between two fits five minutes apart) then shifts every term's probes alike;
+    each probe's runs back to back, kind after kind, would put the drift on the terms whose
+    probes ran while it lasted."""
+    order = []
+    for round_index in range(repeats):
+        shuffled = list(probes)
+        random.Random(f"{seed}-{round_index}").shuffle(shuffled)
+        order += [(round_index, probe) for probe in shuffled]
+    return order
+
+
 async def probe_server(
     settings: Settings, probes: list[Probe], progress: Callable[[str], None]
 ) -> tuple[ServerInfo, list[Observation], list[ApiCpuObservation]]:
@@ -150,15 +165,17 @@ async def probe_server(
         await client.stream(16, 2, StreamParser())  # warm-up, unmeasured
         rows: list[Observation] = []
         api_rows: list[ApiCpuObservation] = []
-        for probe in probes:
-            for _ in range(settings.repeats):
-                before = await client.metrics()
-                streams, late = await client.run(probe)
-                after = await client.metrics()
-                measured = observations(probe, streams, late)
-                kv = measured[-1].kv_tokens_read if measured else 0.0
-                rows += measured + server_observations(probe, before, after, kv)
-                api = api_cpu_observation(probe, before, after)
-                api_rows += [api] if api else []
-            progress(f"{probe.name}: {settings.repeats} runs")
+        for position, (round_index, probe) in enumerate(
+            run_order(probes, settings.repeats, settings.seed), start=1
+        ):
+            before = await client.metrics()
+            streams, late = await client.run(probe)
+            after = await client.metrics()
+            measured = observations(probe, streams, late)
+            kv = measured[-1].kv_tokens_read if measured else 0.0
+            rows += measured + server_observations(probe, before, after, kv)
+            api = api_cpu_observation(probe, before, after)
+            api_rows += [api] if api else []
+            if position % len(probes) == 0:
+                progress(f"round {round_index + 1} of {settings.repeats}: {len(probes)} probes")
         return info, rows, api_rows
