@@ -376,7 +376,8 @@ def profile_step_time(arch: Architecture, flags: EngineFlags) -> StepTimeChoice:
     if flags.gpu == CPU_HOST:
         label += ", the API server on cores of its own"
         if api is not None:
-            # It streams every step's tokens beside the engine: past its core, it paces them.
+            # It takes in every step's output and streams its tokens beside the engine: what
+            # its core has left goes to new requests, and past its core it paces the steps.
             cost = replace(
                 cost,
                 overlapped_step_ms=api.per_step_s * 1e3,
