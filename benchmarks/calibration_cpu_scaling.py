@@ -10,7 +10,7 @@ bracket the small one and show how far the machine moved meanwhile. Per term it 
 three fits, the measured small/tiny ratio (against the mean of the tiny fits) and the ratio the
 scaling assumes.
 
-Usage (from the repository root, in a private network namespace; about 12 minutes)::
+Usage (from the repository root, in a private network namespace; about 5 minutes)::
 
     unshare -n bash -c 'ip link set lo up; .venv/bin/python benchmarks/calibration_cpu_scaling.py'
 """
