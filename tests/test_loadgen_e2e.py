@@ -7,6 +7,7 @@ import asyncio
 import gc
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -251,9 +252,13 @@ def test_a_closed_port_is_given_up_after_the_refused_timeout(tmp_path):
     assert lines[1].startswith(
         f"still waiting for {url}/health: 15 s of 600 s (last probe: ConnectionRefusedError"
     )
-    assert lines[2].startswith(
-        f"servematrix bench: nothing listens at {url}: every connection refused for 17 s"
+    # the seconds it waited: 17 or a little more on a loaded machine, never fewer
+    given_up = re.match(
+        rf"servematrix bench: nothing listens at {re.escape(url)}: every connection refused "
+        r"for (\d+) s",
+        lines[2],
     )
+    assert given_up is not None and int(given_up.group(1)) >= 17, lines[2]
     assert len(lines) == 3
 
 
