@@ -22,7 +22,9 @@ where FA2 does not pack them; `WithMixedStepKvReads`):
 - ``fits``: the part of the slice that fits the partition is reread from L2, the rest from HBM
   (what an optimal replacement policy keeps of a cyclic stream; NVIDIA does not publish its L2
   policy, so the truth lies between these two);
-- ``none``: no rereads (the decodes packed, as FlashAttention-3 does on H100).
+- ``none``: the decodes of a mixed step cost what they cost in a decode-only call (packed, as
+  FlashAttention-3 does on H100, and as vLLM PR #58013, open since 2026-09-21, would run FA2's
+  mixed batches: a decode call beside a prefill call); neither rereads nor padded tiles.
 
 Nothing here changes the simulator; the variants are the benchmark's own step-time wrappers.
 The last line per model is the step at 60 decodes of 670 tokens, alone and with a 180-token
