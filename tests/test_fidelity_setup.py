@@ -340,7 +340,10 @@ def test_goals_say_how_many_values_each_missed_goal_lacks_and_where_they_are() -
     assert lines[1].split() == ["all", "7/12", "58.3", "%", "goal", "85%:", "4", "values", "short"]
     assert lines[2].endswith("goal 70%: 1 values short")  # moderate: 1 of 2; 2 needed
     assert lines[3].endswith("goal 70%: 1 values short")  # saturated: 6 of 10; 7 needed
-    assert "30.0 % over 2 values (0.50, 0.90)  goal under 20 %: not met" in lines[4]
+    # every point is on one GPU: 7 of 12, 9 needed for 70 %
+    assert lines[4].split() == ["gpu", "H100-SXM5-80GB", "7/12", "58.3", "%", "goal", "70%:", "2",
+                                "values", "short"]  # fmt: skip
+    assert "30.0 % over 2 values (0.50, 0.90)  goal under 20 %: not met" in lines[5]
     saturated = next(line for line in lines if line.startswith("  saturated"))
     assert saturated.split()[3:7] == ["4/10", "(3", "below,", "1"]
 
