@@ -127,15 +127,17 @@ class Stage:
         return self.last_ttft_ms > 2 * self.first_ttft_ms
 
 
+def _mean_ttft_ms(records: list[RequestRecord]) -> float:
+    return statistics.fmean((r.first_token_s - r.sent_s) * 1e3 for r in records)
+
+
 def stages(records: list[RequestRecord]) -> list[Stage]:
+    """Each stage's requests by when they were scheduled: mean TTFT over all, its first and last
+    ``WINDOW_S`` seconds, and mean TPOT."""
     out, start = [], 0.0
     for duration, rate in STAGES:
         end = start + duration
         inside = [r for r in records if start <= r.scheduled_s < end]
-
-        def ttft(rs: list[RequestRecord]) -> float:
-            return statistics.fmean((r.first_token_s - r.sent_s) * 1e3 for r in rs)
-
         first = [r for r in inside if r.scheduled_s < start + WINDOW_S]
         last = [r for r in inside if r.scheduled_s >= end - WINDOW_S]
         tpot = statistics.fmean(
@@ -143,7 +145,9 @@ def stages(records: list[RequestRecord]) -> list[Stage]:
             for r in inside
             if r.completion_tokens > 1
         )
-        out.append(Stage(rate, ttft(inside), ttft(last), ttft(first), tpot))
+        out.append(
+            Stage(rate, _mean_ttft_ms(inside), _mean_ttft_ms(last), _mean_ttft_ms(first), tpot)
+        )
         start = end
     return out
 
