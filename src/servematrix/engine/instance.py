@@ -153,6 +153,11 @@ class EngineInstance:
         self._decode_cache: dict[tuple[int, ...], list[float]] = {}
         self.steps = 0
 
+    def _api_beside_ms(self, requests: int) -> float:
+        """The API server's work beside a step of ``requests`` requests: taking in its output
+        and streaming its tokens."""
+        return self.api_step_ms + self.api_token_ms * requests
+
     def add_request(self, request: Request, waited_ms: float = 0.0) -> None:
         """Queue a request: through the API server when there is one, except a request that
         arrives with its prompt's KV (a disaggregated decode instance's), which passed the API
@@ -213,7 +218,7 @@ class EngineInstance:
         # With requests in the API server, the run ends with the step during which it hands
         # the next one over (that request joins the step after), as single steps would.
         inbox = bool(self._inbox)
-        streaming_ms = self.api_step_ms + self.api_token_ms * len(requests)
+        streaming_ms = self._api_beside_ms(len(requests))
         api_left_ms = self.api_request_ms - self._inbox_done_ms
         spare_ms = 0.0
         for offset, factor in enumerate(self.jitter.peek(max_steps)):
@@ -283,7 +288,7 @@ class EngineInstance:
         emitted, finished = scheduler.complete(scheduled)
         self.steps += 1
         duration_ms = base_ms * self.jitter.factor() + receive_ms
-        spare_ms = duration_ms - self.api_step_ms - self.api_token_ms * len(scheduled.requests)
+        spare_ms = duration_ms - self._api_beside_ms(len(scheduled.requests))
         if self._inbox:
             self._hand_over(spare_ms)
         else:
